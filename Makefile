@@ -1,0 +1,43 @@
+# jaxserve: the two README commands are `make generate` and `make test`.
+SHELL := /bin/bash
+# Find a Python 3.12 interpreter (plain name, or a pyenv install).
+PY312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo "$$p"; break; }; done)
+VENV := .venv
+PY := $(VENV)/bin/python
+MODEL := checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf
+PROMPTS ?= examples/prompts.jsonl
+
+.PHONY: setup model generate test test-fast fixtures clean-cache
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PY312)" || { echo "error: Python 3.12 not found (tried python3.12 and ~/.pyenv/versions/3.12*)"; exit 1; }
+	test -x $(PY) || $(PY312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+$(MODEL): | $(VENV)/.installed
+	$(PY) -m jaxserve.checkpoint.fetch --dest checkpoints
+
+model: $(MODEL)
+
+# Main job: continuous batching on SmolLM2-135M-Instruct over real prompts.
+generate: setup model
+	$(VENV)/bin/jaxserve generate --prompts_file=$(PROMPTS) --max_tokens=64 --max_num_seqs=8
+
+test: setup model
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+test-fast: setup
+	$(PY) -m pytest -q -x -m "not slow" tests
+
+# Regenerate the HF golden fixtures (separate Python 3.11 venv with torch; not needed for tests).
+fixtures:
+	bash scripts/make_fixtures.sh
+
+# Converted-parameter cache and compile cache live under checkpoints/.
+clean-cache:
+	rm -rf checkpoints/params_cache checkpoints/jax_compile_cache

@@ -1,0 +1,18 @@
+"""Checkpoint loading: HF safetensors dirs, llama.cpp GGUF files, an orbax params cache,
+the tokenizer wrapper and the default model (SmolLM2-135M-Instruct Q4_1).
+
+Public API:
+  load_model(path=None, *, dtype="float32", cache_dir=..., progress=True)
+      -> (ModelConfig, params tree of NumPy arrays, Tokenizer)
+  load_tokenizer(path=None) -> Tokenizer
+  resolve_model_path(path=None) -> Path;  DEFAULT_MODEL_PATH
+  CheckpointError (ValueError subclass; the message names the file and the problem)
+"""
+
+from jaxserve.checkpoint.default import DEFAULT_MODEL_PATH, resolve_model_path
+from jaxserve.checkpoint.layout import CheckpointError
+from jaxserve.checkpoint.loader import load_model, load_tokenizer
+from jaxserve.checkpoint.tokenizer import Tokenizer
+
+__all__ = ["CheckpointError", "DEFAULT_MODEL_PATH", "Tokenizer", "load_model", "load_tokenizer",
+           "resolve_model_path"]

@@ -1,0 +1,179 @@
+"""Load a Hugging Face Llama checkpoint directory into the jaxserve param tree.
+
+Reads config.json (-> `ModelConfig.from_hf_dict`), `model.safetensors` or the
+shards listed in `model.safetensors.index.json` (safetensors' NumPy API), and
+maps HF names to the tree through ONE table, `hf_name`. HF `nn.Linear`
+weights are [out, in]; the tree stores [in, out], so matrices are transposed.
+HF q/k rows are already in rotate_half layout: no permutation here.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Iterable
+
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from jaxserve.checkpoint.layout import (
+    MATRIX_LEAVES, CheckpointError, check_tree, stack_layers)
+from jaxserve.config import ModelConfig
+
+# Tree leaf -> HF tensor name ("{i}" = layer index). The single source of truth.
+HF_LAYER_NAMES = {
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "wq": "model.layers.{i}.self_attn.q_proj.weight",
+    "wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "wv": "model.layers.{i}.self_attn.v_proj.weight",
+    "wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "w_up": "model.layers.{i}.mlp.up_proj.weight",
+    "w_down": "model.layers.{i}.mlp.down_proj.weight",
+}
+HF_TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+                "lm_head": "lm_head.weight"}
+# Buffers some old checkpoints saved; they carry no weights.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def hf_name(leaf: str, layer: int | None = None) -> str:
+    """HF tensor name of a tree leaf (`layer` for per-layer leaves)."""
+    if leaf in HF_LAYER_NAMES:
+        return HF_LAYER_NAMES[leaf].format(i=layer)
+    return HF_TOP_NAMES[leaf]
+
+
+def load_hf_config(directory: str | Path, *, dtype: str = "float32") -> ModelConfig:
+    """config.json (+ generation_config.json eos ids) -> ModelConfig.
+
+    Raises:
+      CheckpointError: config.json missing/unparsable or not a Llama architecture.
+    """
+    d = Path(directory)
+    path = d / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{d}: no config.json, not an HF checkpoint directory")
+    try:
+        raw = json.loads(path.read_text())
+        gen = d / "generation_config.json"
+        if gen.is_file():
+            g_eos = json.loads(gen.read_text()).get("eos_token_id")
+            eos = raw.get("eos_token_id")
+            ids = [x for v in (eos, g_eos) for x in (v if isinstance(v, list) else [v]) if x is not None]
+            if ids:
+                raw["eos_token_id"] = list(dict.fromkeys(ids))
+        return ModelConfig.from_hf_dict(raw, dtype=dtype)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON: {e}") from e
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {type(e).__name__}: {e}") from e
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of an HF dir: the index's shards, or model.safetensors."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: unreadable shard index: {e}") from e
+        files = [directory / f for f in dict.fromkeys(weight_map.values())]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors weights (pytorch .bin is not supported)")
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{directory}: shard(s) listed in the index are missing: {missing}")
+    return files
+
+
+def _read_raw(path: Path, name: str, info: dict) -> np.ndarray:
+    # safetensors' NumPy API cannot build bfloat16 arrays; read the bytes via the header.
+    with open(path, "rb") as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))
+        start, end = info["data_offsets"]
+        f.seek(8 + hlen + start)
+        buf = f.read(end - start)
+    if len(buf) != end - start:
+        raise CheckpointError(f"{path}: tensor '{name}' is truncated")
+    return np.frombuffer(buf, dtype=ml_dtypes.bfloat16).reshape(info["shape"])
+
+
+def _header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(hlen))
+
+
+def read_safetensors(files: Iterable[Path], *, progress: bool = True) -> dict[str, np.ndarray]:
+    """All tensors of the given files as float32 NumPy arrays (HF names, HF layout).
+
+    Raises:
+      CheckpointError: a file is corrupt or truncated (names the file), or a
+        tensor name repeats across shards.
+    """
+    out: dict[str, np.ndarray] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="np") as f:
+                names = list(f.keys())
+                header = None
+                for name in tqdm(names, desc=f"reading {path.name}", unit="tensor",
+                                 disable=not progress, leave=False):
+                    if name in out:
+                        raise CheckpointError(f"{path}: tensor '{name}' appears in more than one shard")
+                    if f.get_slice(name).get_dtype() == "BF16":
+                        header = header or _header(path)
+                        a = _read_raw(path, name, header[name])
+                    else:
+                        a = f.get_tensor(name)
+                    out[name] = np.asarray(a, dtype=np.float32)
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: corrupt or truncated safetensors file: {e}") from e
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: unreadable safetensors file: {e}") from e
+    return out
+
+
+def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: Path) -> dict:
+    """HF-named float32 tensors -> param tree (float32, [in, out], layers stacked).
+
+    Raises:
+      CheckpointError: a required tensor is missing, has a wrong shape, or an
+        unexpected tensor (e.g. a bias this architecture lacks) is present.
+    """
+    used: set[str] = set()
+
+    def take(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise CheckpointError(f"{source}: missing tensor '{name}'")
+        used.add(name)
+        return tensors[name]
+
+    def layer(i: int, leaf: str) -> np.ndarray:
+        a = take(hf_name(leaf, i))
+        return np.ascontiguousarray(a.T) if leaf in MATRIX_LEAVES else a
+
+    params = {"embed": take(hf_name("embed")), "layers": stack_layers(cfg, layer, source),
+              "final_norm": take(hf_name("final_norm"))}
+    if cfg.tie_word_embeddings:
+        used.add(hf_name("lm_head"))  # some exporters save the tied copy; it is the embedding
+    else:
+        params["lm_head"] = np.ascontiguousarray(take(hf_name("lm_head")).T)
+    extra = sorted(n for n in tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise CheckpointError(f"{source}: unexpected tensors for a Llama checkpoint: {extra[:8]}")
+    check_tree(cfg, params, source)
+    return params
+
+
+def load_hf_params(directory: str | Path, cfg: ModelConfig, *, progress: bool = True) -> dict:
+    """Read and convert an HF checkpoint dir's weights to a float32 param tree."""
+    d = Path(directory)
+    return convert_hf_tensors(cfg, read_safetensors(safetensors_files(d), progress=progress), d)

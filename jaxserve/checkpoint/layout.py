@@ -1,0 +1,143 @@
+"""The jaxserve parameter tree and the conversions into it.
+
+Param tree (numpy arrays; matrices stored [in, out] so the forward is `x @ w`;
+layers stacked on a leading L axis so the forward can `scan` over them):
+
+  {"embed": [V, E],
+   "layers": {"attn_norm": [L, E], "wq": [L, E, H*D], "wk": [L, E, K*D],
+              "wv": [L, E, K*D], "wo": [L, H*D, E], "mlp_norm": [L, E],
+              "w_gate": [L, E, F], "w_up": [L, E, F], "w_down": [L, F, E]},
+   "final_norm": [E],
+   "lm_head": [E, V]}          # absent when cfg.tie_word_embeddings
+
+Q/K rows are in HF's "rotate_half" RoPE layout. llama.cpp's converter
+(convert_hf_to_gguf.py, `LlamaModel.permute`) reorders them to the
+interleaved-pair layout GGML's RoPE expects; `unpermute_qk` undoes it exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be loaded; the message names the file and the problem."""
+
+
+# Per-layer leaves: name -> (shape of ONE layer given cfg, needs transpose from [out, in]).
+LAYER_LEAVES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+MATRIX_LEAVES = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
+
+
+def expected_shapes(cfg: ModelConfig) -> dict:
+    """Shapes of every leaf of the param tree for `cfg` (same nesting as the tree)."""
+    V, E, F, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    shapes = {
+        "embed": (V, E),
+        "layers": {
+            "attn_norm": (L, E), "wq": (L, E, H * D), "wk": (L, E, K * D), "wv": (L, E, K * D),
+            "wo": (L, H * D, E), "mlp_norm": (L, E), "w_gate": (L, E, F), "w_up": (L, E, F),
+            "w_down": (L, F, E),
+        },
+        "final_norm": (E,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (E, V)
+    return shapes
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Apply llama.cpp's Q/K row permutation (HF rotate_half -> GGML interleaved pairs).
+
+    Args:
+      w: [n_head * D, E] an HF q_proj/k_proj weight ([out, in]); D even.
+      n_head: H for q_proj, K for k_proj.
+    Returns: same shape; inside each head, row j*2+p takes HF row p*D/2+j.
+    """
+    rows = w.shape[0]
+    _check_qk_rows(rows, n_head)
+    return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Exact inverse of `permute_qk`: GGML interleaved-pair rows -> HF rotate_half rows.
+
+    Args:
+      w: [n_head * D, E] a GGUF attn_q/attn_k weight, dequantized, rows = outputs.
+      n_head: H for attn_q, K for attn_k.
+    """
+    rows = w.shape[0]
+    _check_qk_rows(rows, n_head)
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _check_qk_rows(rows: int, n_head: int) -> None:
+    if n_head <= 0 or rows % (2 * n_head) != 0:
+        raise ValueError(f"Q/K permutation needs rows={rows} divisible by 2*n_head={2 * n_head}")
+
+
+def stack_layers(cfg: ModelConfig, get: Callable[[int, str], np.ndarray], source: Path) -> dict:
+    """Build the stacked `layers` subtree.
+
+    Args:
+      get: (layer index, leaf name) -> that layer's array, already in tree layout
+        ([in, out] for matrices, [E] for norms).
+      source: file or directory named in errors.
+    Raises:
+      CheckpointError: a layer's array has the wrong shape.
+    """
+    want = expected_shapes(cfg)["layers"]
+    out = {}
+    for name in LAYER_LEAVES:
+        per_layer = []
+        for i in range(cfg.num_hidden_layers):
+            a = get(i, name)
+            if a.shape != want[name][1:]:
+                raise CheckpointError(
+                    f"{source}: layer {i} '{name}' has shape {a.shape}, expected {want[name][1:]} "
+                    f"for the config read from the checkpoint")
+            per_layer.append(a)
+        out[name] = np.stack(per_layer)
+    return out
+
+
+def check_tree(cfg: ModelConfig, params: dict, source: Path) -> None:
+    """Raise CheckpointError unless `params` has exactly the leaves/shapes of `cfg`."""
+    want = expected_shapes(cfg)
+
+    def walk(w, p, prefix):
+        if set(w) != set(p):
+            raise CheckpointError(f"{source}: param tree keys at '{prefix or '/'}' are {sorted(p)}, "
+                                  f"expected {sorted(w)}")
+        for k, v in w.items():
+            if isinstance(v, dict):
+                walk(v, p[k], f"{prefix}/{k}")
+            elif tuple(p[k].shape) != v:
+                raise CheckpointError(f"{source}: '{prefix}/{k}' has shape {tuple(p[k].shape)}, "
+                                      f"expected {v}")
+
+    walk(want, params, "")
+
+
+def cast_tree(params: dict, dtype: str) -> dict:
+    """Cast every leaf to `dtype` ("float32" | "bfloat16"; bf16 via ml_dtypes)."""
+    import ml_dtypes
+
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}.get(dtype)
+    if np_dtype is None:
+        raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'")
+    return {k: cast_tree(v, dtype) if isinstance(v, dict) else np.asarray(v).astype(np_dtype, copy=False)
+            for k, v in params.items()}
+
+
+def tree_nbytes(params: dict) -> int:
+    """Total bytes of all leaves."""
+    return sum(tree_nbytes(v) if isinstance(v, dict) else int(v.nbytes) for v in params.values())

@@ -1,0 +1,251 @@
+"""`jaxserve generate | serve | bench ...` (absl flags).
+
+    jaxserve generate --prompts_file=examples/prompts.jsonl --max_tokens=64
+    jaxserve serve --port=8000
+    jaxserve bench buckets --trace=../shared/bench/ragged64.jsonl --dry_run
+    jaxserve bench serve --base_url=http://127.0.0.1:8000/v1 --trace=...
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+# ---- model and engine (shared by generate and serve)
+flags.DEFINE_string("model", None, "A .gguf file or an HF directory; default: the fetched SmolLM2.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and compute dtype.")
+flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
+flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks (default: from --kv_cache_memory_mb).")
+flags.DEFINE_integer("kv_cache_memory_mb", 512, "KV pool memory budget in MiB when --num_kv_blocks is unset.")
+flags.DEFINE_integer("max_num_seqs", 32, "Most sequences in one step.")
+flags.DEFINE_integer("max_num_batched_tokens", 256, "Token budget of one step (the largest token bucket).")
+flags.DEFINE_integer("max_model_len", 2048, "Most positions (prompt + output) of one request.")
+flags.DEFINE_integer("long_prefill_token_threshold", 0, "Cap on one prompt's chunk per step (0: none).")
+flags.DEFINE_enum("bucket_policy", "pow2", ["pow2", "pow2_linear"], "How token/seq buckets are built.")
+flags.DEFINE_integer("bucket_gap", 64, "Linear step of the pow2_linear policy.")
+flags.DEFINE_list("token_buckets", None, "Explicit token buckets (the last must equal max_num_batched_tokens).")
+flags.DEFINE_list("seq_buckets", None, "Explicit sequence buckets (the last must equal max_num_seqs).")
+flags.DEFINE_enum("attention_backend", "auto", ["auto", "xla", "pallas"], "Attention implementation.")
+flags.DEFINE_bool("enable_prefix_caching", True, "Reuse KV blocks of shared prompt prefixes.")
+flags.DEFINE_bool("static_batching", False, "Admit a batch and add nothing until all of it finishes.")
+flags.DEFINE_string("compile_cache_dir", "checkpoints/jax_compile_cache",
+                    "Persistent JAX compilation cache ('' disables).")
+# ---- generate
+flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
+flags.DEFINE_string("prompts_file", None, "Prompts: .jsonl with 'prompt' (and optional 'max_tokens', 'id') "
+                    "per line, or a text file with one prompt per line.")
+flags.DEFINE_bool("chat", True, "Apply the model's chat template to each prompt.")
+flags.DEFINE_integer("max_tokens", 64, "Most tokens to generate (a JSONL 'max_tokens' overrides).")
+flags.DEFINE_integer("min_tokens", 0, "Suppress EOS/stop tokens until this many tokens.")
+flags.DEFINE_float("temperature", 0.0, "0 is greedy.")
+flags.DEFINE_integer("top_k", 0, "0 or -1 disables.")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
+flags.DEFINE_float("min_p", 0.0, "Min-p filter.")
+flags.DEFINE_integer("seed", None, "Per-request sampling seed.")
+flags.DEFINE_bool("ignore_eos", False, "Do not stop at EOS.")
+flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
+flags.DEFINE_integer("n", 1, "Samples per prompt.")
+flags.DEFINE_bool("print_outputs", True, "Print each completion.")
+flags.DEFINE_string("output_json", None, "Write outputs and the summary here.")
+# ---- serve
+flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
+flags.DEFINE_integer("port", 8000, "Port to bind.")
+flags.DEFINE_string("served_model_name", None, "Model name in the API (default: the file's stem).")
+flags.DEFINE_string("api_key", None, "Optional bearer token required on /v1 routes.")
+
+
+def engine_args_from_flags() -> dict[str, Any]:
+    """The engine keyword arguments named by the shared flags."""
+    args: dict[str, Any] = dict(
+        dtype=FLAGS.dtype, block_size=FLAGS.block_size, max_num_seqs=FLAGS.max_num_seqs,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_model_len=FLAGS.max_model_len,
+        long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
+        bucket_policy=FLAGS.bucket_policy, bucket_gap=FLAGS.bucket_gap,
+        attention_backend=FLAGS.attention_backend,
+        enable_prefix_caching=FLAGS.enable_prefix_caching, static_batching=FLAGS.static_batching,
+        kv_cache_memory_bytes=FLAGS.kv_cache_memory_mb * 2**20)
+    if FLAGS.num_kv_blocks is not None:
+        args["num_kv_blocks"] = FLAGS.num_kv_blocks
+    if FLAGS.token_buckets:
+        args["token_buckets"] = tuple(int(x) for x in FLAGS.token_buckets)
+    if FLAGS.seq_buckets:
+        args["seq_buckets"] = tuple(int(x) for x in FLAGS.seq_buckets)
+    return args
+
+
+def build_engine():
+    """Load the model named by --model and build a warmed-up LLMEngine."""
+    from jaxserve.checkpoint import load_model
+    from jaxserve.checkpoint.default import resolve_model_path
+    from jaxserve.engine import LLMEngine, make_engine_config
+    from jaxserve.model_runner import enable_compilation_cache
+
+    enable_compilation_cache(FLAGS.compile_cache_dir)
+    path = resolve_model_path(FLAGS.model)
+    cfg, params, tokenizer = load_model(path, dtype=FLAGS.dtype)
+    config = make_engine_config(cfg, **engine_args_from_flags())
+    name = FLAGS.served_model_name or Path(path).stem
+    return LLMEngine(config, params, tokenizer, model_name=name)
+
+
+def read_prompts(path: str | None, inline: Sequence[str]) -> list[dict[str, Any]]:
+    """Prompt records {'id', 'prompt', 'max_tokens'?} from --prompt flags and --prompts_file.
+
+    Raises:
+      ValueError: a JSONL line that is not an object with a string 'prompt'.
+    """
+    rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(inline)]
+    if path:
+        text = Path(path).read_text(encoding="utf-8")
+        if path.endswith(".jsonl"):
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                    raise ValueError(f"{path}:{n}: each line must be an object with a string 'prompt'")
+                rec.setdefault("id", f"f{n}")
+                rows.append(rec)
+        else:
+            rows += [{"id": f"f{n}", "prompt": l} for n, l in enumerate(text.splitlines(), 1) if l.strip()]
+    if not rows:
+        raise ValueError("no prompts: pass --prompt or --prompts_file")
+    return rows
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    import numpy as np
+    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else float("nan")
+
+
+def summarize(outputs, engine, wall: float) -> dict[str, Any]:
+    """Requests, tokens, throughput, TTFT/TPOT, steps, padding per bucket, compiles."""
+    stats = engine.get_stats()
+    ttft = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
+    tpot = [o.metrics.tpot for o in outputs if o.metrics.tpot is not None]
+    out_tokens = sum(o.num_generated_tokens for o in outputs)
+    buckets = {}
+    for b, s in sorted(stats["bucket_stats"].items()):
+        total = s["real_tokens"] + s["padded_tokens"]
+        buckets[b] = dict(s, padding_fraction=(s["padded_tokens"] / total) if total else 0.0)
+    real = sum(s["real_tokens"] for s in buckets.values())
+    pad = sum(s["padded_tokens"] for s in buckets.values())
+    return {
+        "requests": len(outputs), "output_tokens": out_tokens, "wall_s": wall,
+        "output_tokens_per_s": out_tokens / wall if wall > 0 else float("nan"),
+        "ttft_mean_s": sum(ttft) / len(ttft) if ttft else float("nan"),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_mean_s": sum(tpot) / len(tpot) if tpot else float("nan"),
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "steps": stats["num_steps"], "padding_fraction": pad / (real + pad) if real + pad else 0.0,
+        "buckets": buckets, "preemptions": stats["num_preemptions"],
+        "warmup_programs": stats["warmup_programs"], "warmup_s": stats["warmup_seconds"],
+        "compiles_after_warmup": stats["num_compiles_after_warmup"],
+    }
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print("\n==== summary ====")
+    print(f"requests {s['requests']}  output tokens {s['output_tokens']}  wall {s['wall_s']:.2f} s  "
+          f"throughput {s['output_tokens_per_s']:.1f} tok/s")
+    print(f"TTFT mean {s['ttft_mean_s']*1e3:.0f} ms  p50 {s['ttft_p50_s']*1e3:.0f} ms  "
+          f"p99 {s['ttft_p99_s']*1e3:.0f} ms")
+    print(f"TPOT mean {s['tpot_mean_s']*1e3:.1f} ms  p50 {s['tpot_p50_s']*1e3:.1f} ms  "
+          f"p99 {s['tpot_p99_s']*1e3:.1f} ms")
+    print(f"steps {s['steps']}  padding {100*s['padding_fraction']:.1f}%  preemptions "
+          f"{s['preemptions']}  warm-up {s['warmup_programs']} programs in {s['warmup_s']:.1f} s  "
+          f"compiles after warm-up {s['compiles_after_warmup']}")
+    print("bucket   steps  real_tokens  padded_tokens  padding")
+    for b, st in s["buckets"].items():
+        print(f"{b:>6} {st['steps']:>7} {st['real_tokens']:>12} {st['padded_tokens']:>14} "
+              f"{100*st['padding_fraction']:>7.1f}%")
+
+
+def cmd_generate() -> int:
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    rows = read_prompts(FLAGS.prompts_file, FLAGS.prompt)
+    engine = build_engine()
+    llm = LLM(engine=engine)
+    base = SamplingParams(max_tokens=FLAGS.max_tokens, min_tokens=FLAGS.min_tokens,
+                          temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                          min_p=FLAGS.min_p, seed=FLAGS.seed, ignore_eos=FLAGS.ignore_eos,
+                          stop=tuple(FLAGS.stop), n=FLAGS.n)
+    params = [base.replace(max_tokens=int(r["max_tokens"])) if "max_tokens" in r else base for r in rows]
+    prompts = [[{"role": "user", "content": r["prompt"]}] if FLAGS.chat else r["prompt"] for r in rows]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    if FLAGS.print_outputs:
+        for r, o in zip(rows, outputs):
+            for c in o.outputs:
+                print(f"--- [{r['id']}#{c.index}] {r['prompt'][:60]!r} -> {len(c.token_ids)} tokens, "
+                      f"finish={c.finish_reason}")
+                print(c.text)
+    s = summarize(outputs, engine, wall)
+    print_summary(s)
+    if FLAGS.output_json:
+        Path(FLAGS.output_json).write_text(json.dumps({
+            "summary": s, "outputs": [{"id": r["id"], "completions": [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                for c in o.outputs]} for r, o in zip(rows, outputs)]}, indent=1, default=str))
+    return 0
+
+
+def cmd_serve() -> int:
+    from jaxserve.server import serve
+
+    serve(build_engine, host=FLAGS.host, port=FLAGS.port, api_key=FLAGS.api_key,
+          served_model_name=FLAGS.served_model_name)
+    return 0
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    if not argv or argv[0] not in ("buckets", "serve"):
+        raise app.UsageError("usage: jaxserve bench buckets|serve [flags]")
+    if argv[0] == "buckets":
+        from jaxserve.bench.buckets import main as bench_main
+    else:
+        from jaxserve.bench.serving import main as bench_main
+    return int(bench_main(list(argv[1:])) or 0)
+
+
+def main(argv: Sequence[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if len(argv) < 2 or argv[1] not in ("generate", "serve", "bench"):
+        raise app.UsageError("usage: jaxserve generate|serve|bench [flags]")
+    cmd = argv[1]
+    if cmd == "generate":
+        return cmd_generate()
+    if cmd == "serve":
+        return cmd_serve()
+    return cmd_bench(argv[2:])
+
+
+def run() -> None:
+    """Console-script entry point.
+
+    `jaxserve bench ...` bypasses absl: the bench tools parse their own flags
+    with argparse, and absl would reject those as unknown flags.
+    """
+    if len(sys.argv) > 1 and sys.argv[1] == "bench":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        try:
+            sys.exit(cmd_bench(sys.argv[2:]))
+        except app.UsageError as e:
+            print(e, file=sys.stderr)
+            sys.exit(2)
+    app.run(main)
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,250 @@
+"""Frozen, validated configuration dataclasses.
+
+`ModelConfig` describes a Llama-family architecture (Llama 2 / Llama 3 /
+SmolLM); `CacheConfig` the paged KV pool; `SchedulerConfig` the token budget
+and bucket choice; `EngineConfig` bundles them. Every field is validated on
+construction and a bad value raises `ValueError` naming the field and the
+limit it broke. No module here imports jax, so the scheduler can use them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+_DTYPES = ("float32", "bfloat16")
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """`rope_scaling` of HF `config.json` (Llama 3.1 "llama3" type only).
+
+    Frequencies are rescaled band-wise as in Meta's Llama 3.1 reference code:
+    wavelengths longer than `original_max_position_embeddings / low_freq_factor`
+    are divided by `factor`, shorter than `... / high_freq_factor` are kept,
+    and the band between is interpolated smoothly.
+    """
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        _require(self.rope_type == "llama3",
+                 f"rope_scaling.rope_type={self.rope_type!r} is not supported (only 'llama3')")
+        _require(self.factor >= 1.0, f"rope_scaling.factor={self.factor} must be >= 1")
+        _require(self.high_freq_factor > self.low_freq_factor,
+                 f"rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                 f"low_freq_factor={self.low_freq_factor}")
+        _require(self.original_max_position_embeddings > 0,
+                 f"rope_scaling.original_max_position_embeddings="
+                 f"{self.original_max_position_embeddings} must be > 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (HF `LlamaConfig` field names).
+
+    Shape letters used across the code: V=vocab_size, E=hidden_size,
+    F=intermediate_size, L=num_hidden_layers, H=num_attention_heads,
+    K=num_key_value_heads, D=head_dim.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # compute and parameter dtype: "float32" | "bfloat16"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v > 0, f"ModelConfig.{name}={v!r} must be a positive int")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 f"ModelConfig.num_attention_heads={self.num_attention_heads} must be a multiple "
+                 f"of num_key_value_heads={self.num_key_value_heads}")
+        _require(self.rms_norm_eps > 0, f"ModelConfig.rms_norm_eps={self.rms_norm_eps} must be > 0")
+        _require(self.rope_theta > 0, f"ModelConfig.rope_theta={self.rope_theta} must be > 0")
+        _require(self.dtype in _DTYPES, f"ModelConfig.dtype={self.dtype!r} must be one of {_DTYPES}")
+        _require(all(0 <= t < self.vocab_size for t in self.eos_token_ids),
+                 f"ModelConfig.eos_token_ids={self.eos_token_ids} must lie in [0, {self.vocab_size})")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def replace(self, **kw: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], *, dtype: str = "float32") -> "ModelConfig":
+        """Build from a parsed HF `config.json` (LlamaForCausalLM only).
+
+        Raises:
+          ValueError: the architecture is not Llama, or a rope_scaling type is
+            unsupported.
+        """
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        model_type = d.get("model_type", "llama")
+        if model_type != "llama" or not any(a == "LlamaForCausalLM" for a in archs):
+            raise ValueError(f"unsupported architecture: model_type={model_type!r}, "
+                             f"architectures={archs!r} (only LlamaForCausalLM)")
+        h = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // h
+        # transformers 5 moved rope settings to `rope_parameters`.
+        rp = d.get("rope_parameters") or {}
+        rs = d.get("rope_scaling") or (rp if rp.get("rope_type") not in (None, "default") else None)
+        theta = d.get("rope_theta", rp.get("rope_theta", 10000.0))
+        scaling = None
+        if rs:
+            rtype = rs.get("rope_type", rs.get("type"))
+            if rtype not in (None, "default"):
+                scaling = RopeScaling(
+                    rope_type=rtype, factor=float(rs["factor"]),
+                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=h, num_key_value_heads=d.get("num_key_value_heads", h),
+            head_dim=head_dim, max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            rope_scaling=scaling, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype)
+
+    @classmethod
+    def tiny(cls, **kw: Any) -> "ModelConfig":
+        """A tiny config with mutually distinct sizes, so a transposed axis fails loudly."""
+        base = dict(vocab_size=67, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                    max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                    tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
+        base.update(kw)
+        return cls(**base)
+
+    @classmethod
+    def smollm2_135m(cls, **kw: Any) -> "ModelConfig":
+        """SmolLM2-135M-Instruct (HuggingFaceTB), the default real model."""
+        base = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
+                    eos_token_ids=(2,))
+        base.update(kw)
+        return cls(**base)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV pool (vLLM's PagedAttention, Kwon et al. SOSP'23).
+
+    Either `num_kv_blocks` is given, or it is derived from
+    `kv_cache_memory_bytes` by the model runner. Block 0 is the reserved null
+    block, so `num_kv_blocks - 1` blocks hold real tokens.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        _require(isinstance(self.block_size, int) and self.block_size > 0,
+                 f"CacheConfig.block_size={self.block_size!r} must be a positive int")
+        _require(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int)
+                                                and self.num_kv_blocks >= 2),
+                 f"CacheConfig.num_kv_blocks={self.num_kv_blocks!r} must be >= 2 "
+                 "(block 0 is the reserved null block)")
+        _require(self.kv_cache_memory_bytes > 0,
+                 f"CacheConfig.kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling limits (Orca OSDI'22; vLLM V1 scheduler).
+
+    `token_buckets` / `seq_buckets`: explicit padded sizes; when None the
+    `bucket_policy` builder ("pow2" or "pow2_linear") makes them.
+    `max_num_batched_tokens` is always the largest token bucket and
+    `max_num_seqs` the largest sequence bucket.
+    """
+
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0  # 0 = no cap beyond the budget
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    bucket_policy: Literal["pow2", "pow2_linear"] = "pow2"
+    bucket_gap: int = 64  # linear step for "pow2_linear"
+    min_token_bucket: int = 8
+    token_buckets: tuple[int, ...] | None = None
+    seq_buckets: tuple[int, ...] | None = None
+    static_batching: bool = False  # admit a batch, add nothing until all of it finishes
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "bucket_gap",
+                     "min_token_bucket"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v > 0, f"SchedulerConfig.{name}={v!r} must be a positive int")
+        _require(self.long_prefill_token_threshold >= 0,
+                 f"SchedulerConfig.long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0")
+        _require(self.policy in ("fcfs", "priority"),
+                 f"SchedulerConfig.policy={self.policy!r} must be 'fcfs' or 'priority'")
+        _require(self.bucket_policy in ("pow2", "pow2_linear"),
+                 f"SchedulerConfig.bucket_policy={self.bucket_policy!r} must be 'pow2' or 'pow2_linear'")
+        _require(self.max_num_seqs <= self.max_num_batched_tokens,
+                 f"SchedulerConfig.max_num_seqs={self.max_num_seqs} must be <= "
+                 f"max_num_batched_tokens={self.max_num_batched_tokens}")
+        for name, top in (("token_buckets", self.max_num_batched_tokens),
+                          ("seq_buckets", self.max_num_seqs)):
+            b = getattr(self, name)
+            if b is None:
+                continue
+            _require(len(b) > 0 and all(isinstance(x, int) and x > 0 for x in b)
+                     and list(b) == sorted(set(b)),
+                     f"SchedulerConfig.{name}={b} must be strictly increasing positive ints")
+            _require(b[-1] == top, f"SchedulerConfig.{name}={b}: the largest bucket must equal {top}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `LLMEngine` needs besides the weights."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: Literal["auto", "xla", "pallas"] = "auto"
+    seed: int = 0
+    max_logprobs: int = 20
+
+    def __post_init__(self):
+        _require(self.attention_backend in ("auto", "xla", "pallas"),
+                 f"EngineConfig.attention_backend={self.attention_backend!r} must be auto|xla|pallas")
+        _require(self.scheduler.max_model_len <= self.model.max_position_embeddings,
+                 f"SchedulerConfig.max_model_len={self.scheduler.max_model_len} exceeds the model's "
+                 f"max_position_embeddings={self.model.max_position_embeddings}")
+        _require(0 <= self.max_logprobs <= self.model.vocab_size,
+                 f"EngineConfig.max_logprobs={self.max_logprobs} must be in [0, vocab_size]")

@@ -1,0 +1,186 @@
+"""Incremental, UTF-8-safe detokenization with stop strings (one request, host side).
+
+The token-offset scheme is vLLM's (`detokenize_incrementally`, after HF TGI): keep
+two offsets into prompt+output ids, `prefix_offset <= read_offset`; each step decodes
+only the short window `ids[prefix_offset:]` and the prefix `ids[prefix_offset:
+read_offset]`, and the new text is the difference. Decoding with context from the
+previous few tokens keeps tokenizer-specific joins (leading spaces, byte-level
+merges) correct, and the per-step cost is O(window), not O(output length).
+
+Byte-level BPE splits multi-byte characters (CJK, emoji) across tokens; a window whose
+decode ends in U+FFFD holds back until the character completes, so no delta ever
+carries a replacement character for a split character. Stop strings are searched in
+the stable text (they may span tokens); text after a stop string is never emitted,
+and while a request runs, a tail that is a proper prefix of some stop string is held
+back (unless `include_stop_str_in_output`, where nothing after a match can have
+been emitted early). Held-back text is flushed when the request finishes for
+another reason (EOS, max_tokens, abort).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+from jaxserve.sampling_params import SamplingParams
+
+_REPLACEMENT = "\ufffd"
+# Context tokens decoded before the first output token (vLLM uses 5).
+_INITIAL_CONTEXT = 5
+# A split UTF-8 character spans at most 3 trailing bytes, hence at most 3 tokens; a
+# window that still ends in U+FFFD past this many pending tokens holds a genuinely
+# invalid byte sequence, which is emitted (as U+FFFD) so the window stays bounded.
+_MAX_PENDING = 4
+
+
+class TokenizerLike(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def convert_ids_to_tokens(self, ids): ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DetokenizerUpdate:
+    """Result of one `IncrementalDetokenizer.update` call.
+
+    delta_text: new text to stream (possibly empty).
+    stop_string: the stop string that matched in this update; the request must finish
+      now and its text ends at (or, with include_stop_str_in_output, after) it.
+    finished: True once the text is final (stop string matched or finished=True given).
+    """
+
+    delta_text: str
+    stop_string: str | None = None
+    finished: bool = False
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of sampled token ids into streamed text for one request (one sample).
+
+    Args:
+      tokenizer: duck-typed; `decode(ids, skip_special_tokens=...)` is all that is used.
+      prompt_token_ids: the prompt, used as left context for the first output tokens.
+      params: SamplingParams (stop, include_stop_str_in_output, skip_special_tokens).
+    """
+
+    def __init__(self, tokenizer: TokenizerLike, prompt_token_ids: Sequence[int],
+                 params: SamplingParams):
+        self._tok = tokenizer
+        self._skip = params.skip_special_tokens
+        self._stops = tuple(params.stop)
+        self._include_stop = params.include_stop_str_in_output
+        self._ids: list[int] = list(prompt_token_ids)
+        self._num_prompt = len(self._ids)
+        self._prefix_offset = max(self._num_prompt - _INITIAL_CONTEXT, 0)
+        self._read_offset = self._num_prompt
+        self._text = ""  # stable decoded output text (complete characters only)
+        self._emitted = 0  # chars of _text already returned as deltas
+        self._finished = False
+        self._stop_string: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        """Text streamed so far; after finishing, the final output text."""
+        return self._text[:self._emitted]
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._ids) - self._num_prompt
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+    def _advance(self, force: bool) -> str:
+        """Decode pending ids; return newly stable text and move the offsets."""
+        n = len(self._ids)
+        if n == self._read_offset:
+            return ""
+        prefix = self._decode(self._prefix_offset, self._read_offset)
+        end = n
+        full = self._decode(self._prefix_offset, end)
+        if not force and full.endswith(_REPLACEMENT):
+            # The incomplete character's bytes lie in the last <= 3 tokens: emit up to
+            # the latest earlier cut that decodes cleanly (several ids may arrive at once).
+            for end in range(n - 1, max(self._read_offset, n - _MAX_PENDING), -1):
+                full = self._decode(self._prefix_offset, end)
+                if not full.endswith(_REPLACEMENT):
+                    break
+            else:
+                if n - self._read_offset <= _MAX_PENDING:
+                    return ""  # wait for the rest of the character
+                end = n - (_MAX_PENDING - 1)  # genuinely invalid bytes: emit them
+                full = self._decode(self._prefix_offset, end)
+        if len(full) <= len(prefix) and not force:
+            return ""  # e.g. a special token skipped in decoding
+        self._prefix_offset, self._read_offset = self._read_offset, end
+        return full[len(prefix):]
+
+    def _find_stop(self, start: int) -> tuple[int, str] | None:
+        """Earliest stop-string match in _text beginning at or after `start`."""
+        best: tuple[int, str] | None = None
+        for s in self._stops:
+            i = self._text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def _holdback(self) -> int:
+        """Length of the longest tail of _text that is a proper prefix of a stop string."""
+        if self._include_stop or not self._stops:
+            return 0
+        longest = max(len(s) for s in self._stops) - 1
+        for n in range(min(longest, len(self._text) - self._emitted), 0, -1):
+            tail = self._text[-n:]
+            if any(s.startswith(tail) for s in self._stops):
+                return n
+        return 0
+
+    def update(self, new_token_ids: Sequence[int], *, finished: bool) -> DetokenizerUpdate:
+        """Append sampled ids; return the text that may be streamed now.
+
+        Args:
+          new_token_ids: ids sampled since the last call (may be empty).
+          finished: the request ends after these ids for a reason other than a stop
+            string (EOS, stop token, max_tokens, abort): flush all held-back text.
+
+        Returns:
+          DetokenizerUpdate. If `stop_string` is set the caller must finish the request.
+
+        Raises:
+          ValueError: new ids arrive after the text was finalised.
+        """
+        if self._finished:
+            if new_token_ids:
+                raise ValueError(
+                    f"update() got {len(new_token_ids)} ids after the request finished "
+                    f"(stop_string={self._stop_string!r})")
+            return DetokenizerUpdate("", None, True)
+        old_len = len(self._text)
+        self._ids.extend(int(t) for t in new_token_ids)
+        self._text += self._advance(force=finished)
+        if self._stops:
+            # A new match ends in the new text, so it starts at most longest-1 chars
+            # earlier. Without include_stop_str_in_output, the hold-back guarantees that
+            # such a start was never emitted.
+            longest = max(len(s) for s in self._stops)
+            match = self._find_stop(max(old_len - longest + 1, 0))
+            if match is not None:
+                i, s = match
+                self._text = self._text[:i + len(s) if self._include_stop else i]
+                self._finished, self._stop_string = True, s
+                return self._emit(stop_string=s)
+        if finished:
+            self._finished = True
+            return self._emit()
+        return self._emit(hold=self._holdback())
+
+    def _emit(self, *, hold: int = 0, stop_string: str | None = None) -> DetokenizerUpdate:
+        end = max(len(self._text) - hold, self._emitted)
+        delta = self._text[self._emitted:end]
+        self._emitted = end
+        return DetokenizerUpdate(delta, stop_string, self._finished)

@@ -1,0 +1,271 @@
+"""Ragged paged attention: a Pallas (Triton backend) kernel, its wrapper, and a reference.
+
+One launch serves any mix of decodes (q_len = 1), fresh prefills and chunked
+prefills (queries at the end of an already-cached context): the token axis is
+ragged (`query_start_loc`), the KV cache is paged (`block_table`, vLLM's
+PagedAttention, Kwon et al. SOSP'23), and the softmax is computed online over
+KV chunks (FlashAttention-2, Dao 2023). The query tiling follows vLLM's Triton
+"unified attention": a tile holds `block_q` consecutive tokens of ONE sequence
+times the `G = H / K` query heads that share a KV head, so a decode of a GQA
+model still fills the matrix unit's rows.
+
+Layers of this file (as in jax/experimental/pallas/ops/gpu):
+  * `query_tiles`: host (NumPy) per-tile metadata.
+  * `_rpa_kernel`: the kernel body.
+  * `ragged_paged_attention`: the jitted wrapper (static, keyword-only tiles).
+  * `reference_ragged_paged_attention`: a float64 NumPy reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Finite, so that `m_old - m_new` never computes inf - inf = NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------
+# Host-side tiling (NumPy, vectorized)
+# ----------------------------------------------------------------------------
+
+def num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Static upper bound on the number of query tiles of a (T_pad, S_pad) bucket.
+
+    A sequence of q tokens uses ceil(q / block_q) tiles, so the total is at most
+    T / block_q + (number of sequences with q > 0), and at most T (>= 1 token per tile).
+    """
+    return max(1, min(num_tokens, -(-num_tokens // block_q) + min(num_seqs, num_tokens)))
+
+
+def query_tiles(query_start_loc: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray,
+                block_q: int, num_tiles: int) -> dict[str, np.ndarray]:
+    """Split each sequence's new tokens into tiles of at most `block_q` tokens.
+
+    Args:
+      query_start_loc: i32[S+1] exclusive prefix sum of the query lengths.
+      seq_lens: i32[S] KV length after this step.
+      q_lens: i32[S] query tokens to tile per sequence (0 = skip this sequence).
+      block_q: tokens per tile.
+      num_tiles: static size of the returned arrays (see `num_query_tiles`).
+
+    Returns:
+      dict of i32 arrays: `tile_seq[NT]` (sequence of the tile), `tile_q_start[NT]`
+      (flat index of its first token), `tile_pos0[NT]` (absolute position of its first
+      token), `tile_kv_end[NT]` (1 + position of its last real token, i.e. how many
+      keys the tile needs; 0 for unused tiles), `tile_offset[S]` (first tile of each
+      sequence), and `num_tiles[1]` (tiles in use).
+
+    Raises:
+      ValueError: more tiles are needed than `num_tiles`.
+    """
+    q_lens = np.asarray(q_lens, np.int64)
+    per_seq = -(-q_lens // block_q)  # [S]
+    total = int(per_seq.sum())
+    if total > num_tiles:
+        raise ValueError(f"query tiles needed={total} exceed num_tiles={num_tiles}")
+    offset = np.zeros_like(per_seq)
+    offset[1:] = np.cumsum(per_seq)[:-1]
+    seq = np.repeat(np.arange(len(q_lens)), per_seq)  # [total]
+    j = np.arange(total) - offset[seq]  # tile index within its sequence
+    qsl = np.asarray(query_start_loc, np.int64)
+    sl = np.asarray(seq_lens, np.int64)
+    pos0 = sl[seq] - q_lens[seq] + j * block_q
+    rows = np.minimum(block_q, q_lens[seq] - j * block_q)
+
+    def pad(x):
+        out = np.zeros(num_tiles, np.int32)
+        out[:total] = x
+        return out
+
+    return dict(tile_seq=pad(seq), tile_q_start=pad(qsl[seq] + j * block_q),
+                tile_pos0=pad(pos0), tile_kv_end=pad(pos0 + rows),
+                tile_offset=offset.astype(np.int32), num_tiles=np.array([total], np.int32))
+
+
+# ----------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------
+
+def _rpa_kernel(layer_ref,  # i32[1]
+                tile_seq_ref, tile_q_start_ref, tile_pos0_ref, tile_kv_end_ref,  # i32[NT]
+                block_table_ref,  # i32[S, P_pad]
+                q_ref,  # [K, (T + block_q) * Gp, D], row = token * Gp + head-in-group
+                k_ref, v_ref,  # [L, N * B, K, D] (whole cache, HBM)
+                o_ref,  # [M, D] with M = block_q * Gp: this program's tile
+                *, sm_scale: float, block_q: int, group_pad: int, block_size: int,
+                pages_per_chunk: int, precision):
+    tile = pl.program_id(0)
+    kvh = pl.program_id(1)
+    seq = tile_seq_ref[tile]
+    pos0 = tile_pos0_ref[tile]
+    kv_end = tile_kv_end_ref[tile]
+    layer = layer_ref[0]
+    m_rows = block_q * group_pad
+    chunk = pages_per_chunk * block_size
+
+    q = q_ref[kvh, pl.ds(tile_q_start_ref[tile] * group_pad, m_rows), :]  # [M, D]
+    row_pos = pos0 + lax.broadcasted_iota(jnp.int32, (m_rows,), 0) // group_pad  # [M]
+    j = lax.broadcasted_iota(jnp.int32, (chunk,), 0)  # [CK]
+
+    def body(c, carry):
+        acc, m_i, l_i = carry  # [M, D] f32, [M] f32, [M] f32
+        kpos = c * chunk + j  # [CK] absolute key positions
+        page = block_table_ref[seq, c * pages_per_chunk + j // block_size]  # [CK]
+        rows = page * block_size + j % block_size  # [CK] row in the N*B axis
+        k = k_ref[layer, rows, kvh, :]  # [CK, D]
+        v = v_ref[layer, rows, kvh, :]  # [CK, D]
+        s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * sm_scale
+        key_ok = kpos < kv_end  # [CK]; slots past the end may hold garbage/NaN
+        valid = (kpos[None, :] <= row_pos[:, None]) & key_ok[None, :]  # [M, CK] causal
+        s = jnp.where(valid, s, MASK_VALUE)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp(m_i - m_new)
+        p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)  # [M, CK]
+        v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
+        pv = plgpu.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
+        return acc * alpha[:, None] + pv, m_new, l_i * alpha + p.sum(axis=1)
+
+    d = q.shape[-1]
+    init = (jnp.zeros((m_rows, d), jnp.float32), jnp.full((m_rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((m_rows,), jnp.float32))
+    acc, _, l_i = lax.fori_loop(0, pl.cdiv(kv_end, chunk), body, init)
+    l_i = jnp.where(l_i > 0.0, l_i, 1.0)  # rows with no key (padding) -> 0, not NaN
+    o_ref[...] = (acc / l_i[:, None]).astype(o_ref.dtype)
+
+
+def check_kernel_shapes(*, head_dim: int, num_queries_per_kv: int, block_q: int,
+                        block_size: int, pages_per_chunk: int) -> None:
+    """Raise ValueError unless the Triton lowering can take these shapes.
+
+    Triton needs power-of-two array sizes and `tl.dot` needs every dim >= 16.
+    """
+    m_rows = block_q * _next_pow2(num_queries_per_kv)
+    chunk = pages_per_chunk * block_size
+    for name, v in (("head_dim", head_dim), ("block_q * next_pow2(H/K)", m_rows),
+                    ("pages_per_chunk * block_size", chunk)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"pallas ragged attention needs {name}={v} to be a power of two >= 16")
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "block_q", "pages_per_chunk", "num_warps", "num_stages", "interpret"))
+def ragged_paged_attention(q, k_cache, v_cache, layer, block_table, tile_seq, tile_q_start,
+                           tile_pos0, tile_kv_end, token_out_row, *, sm_scale: float,
+                           block_q: int, pages_per_chunk: int, num_warps: int = 4,
+                           num_stages: int = 2, interpret: bool = False):
+    """Ragged paged attention over a stacked KV cache (Pallas, Triton backend).
+
+    Args:
+      q: [T, H, D] queries (bf16 or f32).
+      k_cache, v_cache: [L, N, B, K, D] stacked caches (`L` may be 1).
+      layer: i32[] or i32[1], the layer to read.
+      block_table: i32[S, P] page ids; padded entries point at the null block 0.
+      tile_seq, tile_q_start, tile_pos0, tile_kv_end: i32[NT] from `query_tiles`
+        built with the same `block_q`.
+      token_out_row: i32[T], row `tile * block_q + r` of each token in the tiled
+        output; -1 for tokens that belong to no sequence (their output is 0).
+      sm_scale: softmax scale (usually D ** -0.5).
+      block_q: tokens per query tile (static); the tile has block_q * next_pow2(H/K) rows.
+      pages_per_chunk: KV pages loaded per inner-loop step (static).
+      num_warps, num_stages: Triton launch parameters.
+      interpret: run the kernel with the Pallas interpreter (CPU tests).
+
+    Returns:
+      [T, H, D] in q.dtype. Rows of tokens that belong to no sequence are 0.
+
+    Raises:
+      ValueError: inconsistent shapes, H not a multiple of K, or shapes Triton cannot take.
+    """
+    t, h, d = q.shape
+    n_layers, n_blocks, bs, kh, dk = k_cache.shape
+    if k_cache.shape != v_cache.shape or dk != d or h % kh:
+        raise ValueError(f"bad shapes: {q.shape=} {k_cache.shape=} {v_cache.shape=}")
+    g = h // kh
+    gp = _next_pow2(g)
+    check_kernel_shapes(head_dim=d, num_queries_per_kv=g, block_q=block_q, block_size=bs,
+                        pages_per_chunk=pages_per_chunk)
+    nt = tile_seq.shape[0]
+    m_rows = block_q * gp
+    # Pad the block table so a chunk of pages never reads past its last column.
+    p = block_table.shape[1]
+    block_table = jnp.pad(block_table, ((0, 0), (0, -p % pages_per_chunk)))
+    # q -> [K, (T + block_q) * Gp, D]: each tile reads one contiguous [M, D] slab.
+    qg = jnp.pad(q.reshape(t, kh, g, d), ((0, block_q), (0, 0), (0, gp - g), (0, 0)))
+    qg = qg.transpose(1, 0, 2, 3).reshape(kh, (t + block_q) * gp, d)
+    # Free reshapes: the N and B axes merge into one row axis of the cache.
+    kc = k_cache.reshape(n_layers, n_blocks * bs, kh, d)
+    vc = v_cache.reshape(n_layers, n_blocks * bs, kh, d)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kernel = functools.partial(
+        _rpa_kernel, sm_scale=float(sm_scale), block_q=block_q, group_pad=gp, block_size=bs,
+        pages_per_chunk=pages_per_chunk, precision=precision)
+    whole = pl.BlockSpec()  # whole array per program (Triton: a plain pointer)
+    o = pl.pallas_call(
+        kernel,
+        grid=(nt, kh),
+        in_specs=[whole] * 9,
+        out_specs=pl.BlockSpec((None, None, m_rows, d), lambda i, k: (i, k, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((nt, kh, m_rows, d), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_bq{block_q}_gp{gp}_ppc{pages_per_chunk}_bs{bs}_d{d}",
+    )(layer, tile_seq, tile_q_start, tile_pos0, tile_kv_end, block_table, qg, kc, vc)
+    # [NT, K, block_q, Gp, D] -> per-token rows [T, K, Gp, D] -> [T, H, D]
+    o = o.reshape(nt, kh, block_q, gp, d)
+    row = jnp.maximum(token_out_row, 0)
+    o = o[row // block_q, :, row % block_q][:, :, :g].reshape(t, h, d)
+    return jnp.where(token_out_row[:, None, None] >= 0, o, jnp.zeros_like(o))
+
+
+# ----------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------
+
+def reference_ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
+                                     block_table, num_seqs: int, *, sm_scale: float) -> np.ndarray:
+    """Float64 NumPy reference, one sequence at a time.
+
+    Args:
+      q: [T, H, D]; k_cache, v_cache: [N, B, K, D] (one layer);
+      query_start_loc: i32[S+1]; seq_lens: i32[S]; block_table: i32[S, P];
+      num_seqs: sequences in use. The query at flat index t of sequence s has
+      position seq_lens[s] - q_len[s] + (t - query_start_loc[s]) and sees keys at
+      positions <= its own.
+
+    Returns:
+      f64[T, H, D]; rows of tokens that belong to no sequence are 0.
+    """
+    q = np.asarray(q, np.float64)
+    kc = np.asarray(k_cache, np.float64)
+    vc = np.asarray(v_cache, np.float64)
+    t, h, d = q.shape
+    bs, kh = kc.shape[1], kc.shape[2]
+    g = h // kh
+    out = np.zeros((t, h, d))
+    for s in range(num_seqs):
+        lo, hi, n = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(seq_lens[s])
+        if hi == lo:
+            continue
+        pages = np.asarray(block_table[s])[: -(-n // bs)]
+        k = kc[pages].reshape(-1, kh, d)[:n]  # [n, K, D]
+        v = vc[pages].reshape(-1, kh, d)[:n]
+        qs = q[lo:hi].reshape(hi - lo, kh, g, d)
+        sc = np.einsum("qkgd,nkd->qkgn", qs, k) * sm_scale
+        qpos = n - (hi - lo) + np.arange(hi - lo)
+        sc = np.where(np.arange(n)[None, :] <= qpos[:, None], 0.0, -np.inf)[:, None, None] + sc
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[lo:hi] = np.einsum("qkgn,nkd->qkgd", p, v).reshape(hi - lo, h, d)
+    return out

@@ -1,0 +1,376 @@
+"""Batched token sampling with per-request parameter arrays (runs inside the jitted step).
+
+Every sampling parameter is a per-row array in `SamplingMetadata`, never a static
+argument, so a new temperature or top-p never recompiles (DESIGN.md, C24). The
+pytree structure is the same for every batch: rows that use no penalty still carry
+a (filled with -1) token history.
+
+Semantics follow vLLM (`vllm/v1/sample/sampler.py`):
+  1. repetition penalty on prompt+output tokens, then frequency/presence penalties
+     on output-token counts (CTRL, Keskar et al. 2019; OpenAI API);
+  2. stop/EOS ids suppressed while a request has fewer than `min_tokens` outputs;
+  3. greedy rows (temperature < 1e-5 or top_k == 1) take argmax, ties to the lowest id;
+  4. sampled rows: divide by temperature, top-k, top-p (nucleus, Holtzman et al. 2020,
+     computed on the top-k-renormalised distribution), min-p (Nguyen et al. 2024), then
+     draw one token by inverse-CDF sampling with a per-row key.
+Logprobs are those of the model's raw distribution (log_softmax of the unmodified
+logits), vLLM's default `logprobs_mode`.
+
+A row's random key is `fold_in(key(seed), output_pos)`: it depends only on the
+request's (seed, output position), never on the row index, batch-mates, the bucket
+or a preemption (C21).
+
+Cost (CPU, see notes/sampler.md): a full per-row sort of V=49152 costs ~560 ms at
+S=64, so top-k/top-p thresholds come from `lax.top_k` over a small window of the
+largest logits, with an exact 32-step bisection over the float bit patterns for
+rows whose nucleus (or k) does not fit in the window. Each stage runs under a
+`lax.cond` that skips it when no row in the batch needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+
+# vLLM's _SAMPLING_EPS: temperatures below it are greedy.
+SAMPLING_EPS = 1e-5
+# At most this many EOS ids per model (Llama 3 has 3; generation configs rarely list more).
+MAX_EOS_TOKEN_IDS = 8
+# Width of SamplingMetadata.suppress_ids: stop_token_ids + eos ids.
+SUPPRESS_WIDTH = MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS
+# Largest-logit window for top-k / top-p thresholds before falling back to bisection.
+DEFAULT_TOP_WINDOW = 256
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling parameters at a padded row count S (all array leaves).
+
+    Built on the host by `make_sampling_metadata` (NumPy leaves), device_put with the
+    rest of the step batch. Padding rows are greedy with no penalty.
+    """
+
+    temperature: jax.Array  # f32[S]; < 1e-5 means greedy
+    top_k: jax.Array  # i32[S]; 0 or -1 = off, >= V same as off, 1 = greedy
+    top_p: jax.Array  # f32[S] in (0, 1]; 1 = off
+    min_p: jax.Array  # f32[S] in [0, 1]; 0 = off
+    rng_key: jax.Array  # u32[S, 2]; raw threefry key data of the request's seed (hi, lo)
+    output_pos: jax.Array  # i32[S]; index of the output token being sampled (folded into the key)
+    repetition_penalty: jax.Array  # f32[S]; 1 = off
+    presence_penalty: jax.Array  # f32[S]; 0 = off
+    frequency_penalty: jax.Array  # f32[S]; 0 = off
+    token_history: jax.Array  # i32[S, max_model_len]; prompt ids then output ids, -1 = empty
+    prompt_lens: jax.Array  # i32[S]; token_history[:, :prompt_lens] are prompt tokens
+    suppress_ids: jax.Array  # i32[S, SUPPRESS_WIDTH]; ids masked to -inf (min_tokens), -1 = none
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """Result of `sample` for S rows (padding rows included; the caller drops them)."""
+
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S]; raw-distribution logprob of token_ids
+    top_ids: jax.Array  # i32[S, max_logprobs]; most likely ids, descending
+    top_logprobs: jax.Array  # f32[S, max_logprobs]
+
+
+@dataclasses.dataclass
+class SamplingRow:
+    """Host-side description of one row to sample (one request, or one of its n samples).
+
+    `seed` is already resolved (the engine draws one for unseeded requests and derives
+    a distinct one per sample when n > 1). `output_pos` is the number of output tokens
+    that sample already has, i.e. the index of the token being sampled.
+    """
+
+    params: SamplingParams
+    seed: int
+    output_pos: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def make_sampling_metadata(
+    rows: Sequence[SamplingRow | None], *, num_rows: int, max_model_len: int
+) -> SamplingMetadata:
+    """Build padded NumPy sampling arrays for one step.
+
+    Args:
+      rows: one entry per scheduled sequence slot; None (and slots past len(rows)) are
+        padding rows: greedy, no penalty, no suppression.
+      num_rows: S_pad, the bucketed row count (>= len(rows)).
+      max_model_len: width of the token history; prompt+output of a penalised row must fit.
+
+    Returns:
+      SamplingMetadata with NumPy leaves of the shapes documented on the class.
+
+    Raises:
+      ValueError: len(rows) > num_rows, a seed outside [0, 2**64), a negative output_pos,
+        more than MAX_EOS_TOKEN_IDS eos ids, or a penalised row whose history exceeds
+        max_model_len.
+    """
+    if len(rows) > num_rows:
+        raise ValueError(f"len(rows)={len(rows)} exceeds num_rows={num_rows}")
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len={max_model_len} must be >= 1")
+    S = num_rows
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    min_p = np.zeros(S, np.float32)
+    rng_key = np.zeros((S, 2), np.uint32)
+    output_pos = np.zeros(S, np.int32)
+    rep = np.ones(S, np.float32)
+    pres = np.zeros(S, np.float32)
+    freq = np.zeros(S, np.float32)
+    history = np.full((S, max_model_len), -1, np.int32)  # cheap when no row is penalised
+    prompt_lens = np.zeros(S, np.int32)
+    suppress = np.full((S, SUPPRESS_WIDTH), -1, np.int32)
+    for i, row in enumerate(rows):
+        if row is None:
+            continue
+        p = row.params
+        if not 0 <= row.seed < 2**64:
+            raise ValueError(f"rows[{i}].seed={row.seed} must be in [0, 2**64)")
+        if not 0 <= row.output_pos < 2**31:
+            raise ValueError(f"rows[{i}].output_pos={row.output_pos} must be in [0, 2**31)")
+        if len(row.eos_token_ids) > MAX_EOS_TOKEN_IDS:
+            raise ValueError(
+                f"rows[{i}].eos_token_ids has {len(row.eos_token_ids)} ids, "
+                f"at most MAX_EOS_TOKEN_IDS={MAX_EOS_TOKEN_IDS}")
+        temperature[i] = p.temperature
+        top_k[i] = p.top_k
+        top_p[i] = p.top_p
+        min_p[i] = p.min_p
+        rng_key[i] = (row.seed >> 32, row.seed & 0xFFFFFFFF)
+        output_pos[i] = row.output_pos
+        rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+        if _uses_penalties(p):
+            n_prompt, n_out = len(row.prompt_token_ids), len(row.output_token_ids)
+            if n_prompt + n_out > max_model_len:
+                raise ValueError(
+                    f"rows[{i}] history of {n_prompt}+{n_out} tokens exceeds "
+                    f"max_model_len={max_model_len}")
+            history[i, :n_prompt] = np.asarray(row.prompt_token_ids, np.int32)
+            history[i, n_prompt:n_prompt + n_out] = np.asarray(row.output_token_ids, np.int32)
+            prompt_lens[i] = n_prompt
+        if len(row.output_token_ids) < p.min_tokens:
+            # vLLM: min_tokens suppresses the tokens that would stop the request; with
+            # ignore_eos EOS does not stop it, so EOS stays sampleable (DESIGN.md).
+            ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(row.eos_token_ids))
+            suppress[i, :len(ids)] = ids
+    return SamplingMetadata(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng_key=rng_key,
+        output_pos=output_pos, repetition_penalty=rep, presence_penalty=pres,
+        frequency_penalty=freq, token_history=history, prompt_lens=prompt_lens,
+        suppress_ids=suppress)
+
+
+def apply_penalties(x: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Apply vLLM's penalties to logits x: f32[S, V] -> f32[S, V].
+
+    Repetition penalty (CTRL) on every token seen in prompt+output: positive logits are
+    divided by it, negative ones multiplied. Then OpenAI-style frequency (times the
+    output count) and presence (once if the count > 0) penalties, output tokens only.
+    """
+    S, V = x.shape
+    hist = md.token_history  # [S, M]
+    rows = jnp.broadcast_to(jnp.arange(S)[:, None], hist.shape)
+    # Out-of-range ids (-1 padding) go to index V, which mode="drop" discards.
+    idx = jnp.where((hist >= 0) & (hist < V), hist, V)
+    is_out = jnp.arange(hist.shape[1])[None, :] >= md.prompt_lens[:, None]
+    seen = jnp.zeros((S, V), jnp.bool_).at[rows, idx].set(True, mode="drop")
+    counts = jnp.zeros((S, V), jnp.float32).at[rows, jnp.where(is_out, idx, V)].add(
+        1.0, mode="drop")
+    rp = md.repetition_penalty[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
+    x = x - md.frequency_penalty[:, None] * counts
+    return x - md.presence_penalty[:, None] * (counts > 0).astype(x.dtype)
+
+
+def _sortable(z: jax.Array) -> jax.Array:
+    """Map f32 to u32 so that unsigned order equals float order (radix-sort flip)."""
+    bits = jax.lax.bitcast_convert_type(z, jnp.uint32)
+    neg = (bits >> 31) == 1
+    return jnp.where(neg, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _unsortable(u: jax.Array) -> jax.Array:
+    """Inverse of `_sortable`."""
+    pos = (u >> 31) == 1
+    bits = jnp.where(pos, u & jnp.uint32(0x7FFFFFFF), ~u)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _bisect_max(pred, S: int) -> jax.Array:
+    """Largest u32 t (per row) with pred(t) true, for pred monotone non-increasing, pred(0) true."""
+
+    def body(_, carry):
+        lo, hi = carry  # invariant: pred(lo), answer in [lo, hi]
+        span = hi - lo
+        mid = lo + (span >> 1) + (span & 1)
+        ok = pred(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo = jnp.zeros((S,), jnp.uint32)
+    hi = jnp.full((S,), 0xFFFFFFFF, jnp.uint32)
+    lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
+    return lo
+
+
+def _bisect_threshold(z, k_eff, k_on, top_p, p_on):
+    """Exact top-k then top-p logit threshold by bisection over float bit patterns. f32[S]."""
+    S = z.shape[0]
+    key = _sortable(z)  # [S, V]
+    t_k = _bisect_max(lambda t: jnp.sum(key >= t[:, None], -1) >= k_eff, S)
+    t_k = jnp.where(k_on, t_k, 0)
+    e = jnp.where(key >= t_k[:, None], jnp.exp(z - jnp.max(z, -1, keepdims=True)), 0.0)
+    mass = top_p * jnp.sum(e, -1)
+    t_p = _bisect_max(lambda t: jnp.sum(jnp.where(key >= t[:, None], e, 0.0), -1) >= mass, S)
+    t_p = jnp.where(p_on, t_p, 0)
+    return _unsortable(jnp.maximum(t_k, t_p))
+
+
+def _top_k_top_p(z, k_eff, k_on, top_p, p_on, window: int):
+    """Mask z (f32[S, V], temperature-scaled) to the top-k, then top-p, set of each row."""
+    S, V = z.shape
+    W = min(window, V)
+    vals, _ = jax.lax.top_k(z, W)  # [S, W] descending
+    # Not vals[:, :1]: slicing top_k's output makes XLA:CPU lower top_k to a full sort
+    # of [S, V] (measured 190 ms vs 5 ms at S=8, V=49152; notes/sampler.md).
+    zmax = jnp.max(z, -1, keepdims=True)
+    k_fits = k_eff <= W
+    thr_k = jnp.take_along_axis(vals, jnp.clip(k_eff - 1, 0, W - 1)[:, None], -1)[:, 0]
+    thr_k = jnp.where(k_on, thr_k, -jnp.inf)  # [S]
+    # Nucleus over the top-k-renormalised distribution; Z needs the full row.
+    Z = jnp.sum(jnp.where(z >= thr_k[:, None], jnp.exp(z - zmax), 0.0), -1, keepdims=True)
+    pv = jnp.where(vals >= thr_k[:, None], jnp.exp(vals - zmax), 0.0) / Z  # [S, W]
+    incl = jnp.cumsum(pv, -1)
+    cut = jnp.sum((incl - pv) < top_p[:, None], -1)  # kept positions, >= 1
+    thr_p = jnp.take_along_axis(vals, jnp.clip(cut - 1, 0, W - 1)[:, None], -1)[:, 0]
+    thr_p = jnp.where(p_on, thr_p, -jnp.inf)
+    # The window answer is exact unless k, or the nucleus, reaches past the window
+    # (a nucleus cut by a top-k that fits is always inside the window).
+    p_fits = (incl[:, -1] >= top_p) | (k_on & k_fits)
+    ok = (~k_on | k_fits) & (~p_on | p_fits)
+    thr = jnp.maximum(thr_k, thr_p)
+    thr = jax.lax.cond(
+        jnp.all(ok), lambda: thr,
+        lambda: jnp.where(ok, thr, _bisect_threshold(z, k_eff, k_on, top_p, p_on)))
+    return jnp.where(z >= thr[:, None], z, -jnp.inf)
+
+
+def filter_logits(x: jax.Array, md: SamplingMetadata, greedy: jax.Array,
+                  top_window: int = DEFAULT_TOP_WINDOW) -> jax.Array:
+    """Temperature-scale x (f32[S, V]) and mask to -inf what top-k, top-p, min-p remove.
+
+    Greedy rows (bool[S]) are left unscaled and unfiltered. Returns f32[S, V]; the
+    finite entries of a row are exactly its allowed set.
+    """
+    S, V = x.shape
+    z = x / jnp.where(greedy, 1.0, md.temperature)[:, None]
+    k_eff = jnp.where((md.top_k <= 0) | (md.top_k >= V), V, md.top_k)
+    k_on = (k_eff < V) & ~greedy
+    p_on = (md.top_p < 1.0) & ~greedy
+    z = jax.lax.cond(
+        jnp.any(k_on | p_on),
+        lambda: _top_k_top_p(z, k_eff, k_on, md.top_p, p_on, top_window), lambda: z)
+    zmax = jnp.max(z, -1, keepdims=True)
+    # min-p: keep p >= min_p * p_max  <=>  z - zmax >= log(min_p); log(0) = -inf keeps all.
+    return jnp.where(z - zmax >= jnp.log(md.min_p)[:, None], z, -jnp.inf)
+
+
+def _sample_random(x: jax.Array, md: SamplingMetadata, greedy: jax.Array, window: int):
+    """Draw one token per row from the filtered, temperature-scaled distribution. i32[S]."""
+    S, V = x.shape
+    z = filter_logits(x, md, greedy, window)
+    zmax = jnp.max(z, -1, keepdims=True)
+
+    def row_uniform(key_data, pos):
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), pos)
+        return jax.random.uniform(key, (), jnp.float32)
+
+    u = jax.vmap(row_uniform)(md.rng_key, md.output_pos)  # [S] in [0, 1)
+    # Inverse CDF: first id whose cumulative mass reaches (1-u)*total, with 1-u in (0, 1],
+    # so a zero-probability (masked) id is never chosen. One uniform per row instead of
+    # V Gumbels: threefry for S*V numbers cost ~90 ms at S=64 on CPU.
+    cdf = jnp.cumsum(jnp.exp(z - zmax), -1)  # [S, V]
+    target = (1.0 - u) * cdf[:, -1]
+    ids = jnp.sum(cdf < target[:, None], -1).astype(jnp.int32)
+    return jnp.minimum(ids, V - 1)
+
+
+def _argmax_lowest(x: jax.Array) -> jax.Array:
+    """Row argmax of x (f32[S, V]) with ties to the lowest id -> i32[S].
+
+    Same result as jnp.argmax, but two vectorised reductions instead of XLA:CPU's
+    variadic (value, index) reduce: 7 ms vs 33 ms at S=64, V=49152 (notes/sampler.md).
+    """
+    V = x.shape[-1]
+    m = jnp.max(x, -1, keepdims=True)
+    ids = jnp.min(jnp.where(x == m, jnp.arange(V, dtype=jnp.int32), V), -1)
+    return jnp.minimum(ids, V - 1)  # a NaN row has no x == m; keep the id in range
+
+
+def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
+           top_window: int = DEFAULT_TOP_WINDOW) -> SamplerOutput:
+    """Sample one token per row (pure; call it inside the engine's jitted step).
+
+    Args:
+      logits: f32[S, V] (other float dtypes are upcast) at the logits_indices of the step.
+      md: SamplingMetadata for the same S.
+      max_logprobs: static; how many top raw logprobs to return per row (0 allowed).
+      top_window: static; largest-logit window for top-k/top-p before exact bisection.
+
+    Returns:
+      SamplerOutput (token_ids i32[S], logprobs f32[S], top_ids i32[S, max_logprobs],
+      top_logprobs f32[S, max_logprobs]).
+
+    Raises:
+      ValueError: logits not 2-D, md row count != S, max_logprobs outside [0, V],
+        or top_window < 1.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits.shape={logits.shape} must be [S, V]")
+    S, V = logits.shape
+    if md.temperature.shape != (S,):
+        raise ValueError(f"md.temperature.shape={md.temperature.shape} != (S,)=({S},)")
+    if not 0 <= max_logprobs <= V:
+        raise ValueError(f"max_logprobs={max_logprobs} must be in [0, V={V}]")
+    if top_window < 1:
+        raise ValueError(f"top_window={top_window} must be >= 1")
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
+    use_pen = ((md.repetition_penalty != 1.0) | (md.presence_penalty != 0.0)
+               | (md.frequency_penalty != 0.0))
+    x = jax.lax.cond(jnp.any(use_pen), lambda: apply_penalties(logits, md), lambda: logits)
+    sup_rows = jnp.broadcast_to(jnp.arange(S)[:, None], md.suppress_ids.shape)
+    sup_idx = jnp.where(md.suppress_ids >= 0, md.suppress_ids, V)
+    x = x.at[sup_rows, sup_idx].set(-jnp.inf, mode="drop")
+    # top_k == 1 is greedy too, so that ties go to the lowest id exactly as temperature=0 (C20).
+    greedy = (md.temperature < SAMPLING_EPS) | (md.top_k == 1)
+    greedy_ids = _argmax_lowest(x)
+    token_ids = jax.lax.cond(
+        jnp.all(greedy), lambda: greedy_ids,
+        lambda: jnp.where(greedy, greedy_ids, _sample_random(x, md, greedy, top_window)))
+    logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], -1)[:, 0]
+    if max_logprobs > 0:
+        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, max_logprobs)
+    else:
+        top_logprobs = jnp.zeros((S, 0), jnp.float32)
+        top_ids = jnp.zeros((S, 0), jnp.int32)
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs,
+                         top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)

@@ -1,0 +1,289 @@
+"""Token-count and sequence-count buckets: the few shapes that get compiled.
+
+Each step's ragged token axis is padded up to the smallest token bucket that
+holds it, and its sequence axis to the smallest sequence bucket; each
+(T_pad, S_pad) pair is one jitted program compiled at warm-up. This is the
+JAX analogue of vLLM's CUDA-graph capture sizes and of the token-count
+padding of vLLM's TPU backend (tpu-inference). Padding never truncates:
+a count above the largest bucket is an error, never a silent slice (the
+C24 failure class).
+
+Builders: `pow2_buckets`, `pow2_linear_buckets`, an explicit list, and
+`fit_buckets`, an exact dynamic programme that picks k buckets minimising the
+expected padded token count of an observed tokens-per-step histogram.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from jaxserve.config import SchedulerConfig
+
+
+def _check_positive_int(name: str, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{name}={v!r} must be a positive int")
+
+
+def _validate_buckets(name: str, buckets: Sequence[int]) -> tuple[int, ...]:
+    b = tuple(int(x) for x in buckets)
+    if not b:
+        raise ValueError(f"{name}={b} must not be empty")
+    for x in buckets:
+        _check_positive_int(f"{name} entry", x)
+    if list(b) != sorted(set(b)):
+        raise ValueError(f"{name}={b} must be strictly increasing")
+    return b
+
+
+def pow2_buckets(max_size: int, min_size: int = 1) -> tuple[int, ...]:
+    """Powers of two from the smallest one >= min_size, below max_size, then max_size.
+
+    >>> pow2_buckets(317, 8)
+    (8, 16, 32, 64, 128, 256, 317)
+
+    Raises:
+      ValueError: a non-positive size.
+    """
+    _check_positive_int("max_size", max_size)
+    _check_positive_int("min_size", min_size)
+    out = []
+    p = 1
+    while p < min_size:
+        p *= 2
+    while p < max_size:
+        out.append(p)
+        p *= 2
+    out.append(int(max_size))
+    return tuple(out)
+
+
+def pow2_linear_buckets(max_size: int, gap: int, min_size: int = 1) -> tuple[int, ...]:
+    """Powers of two up to `gap`, then multiples of `gap`, then max_size.
+
+    Bounds the padding of large steps to < gap tokens while keeping the
+    bucket count small for small steps (the scheme of vLLM's TPU backend).
+
+    >>> pow2_linear_buckets(317, 64, 8)
+    (8, 16, 32, 64, 128, 192, 256, 317)
+
+    Raises:
+      ValueError: a non-positive size or gap.
+    """
+    _check_positive_int("max_size", max_size)
+    _check_positive_int("gap", gap)
+    _check_positive_int("min_size", min_size)
+    out = [b for b in pow2_buckets(max_size, min_size) if b <= gap and b < max_size]
+    covered = out[-1] if out else min_size - 1  # largest count the pow2 part covers
+    nxt = (covered // gap + 1) * gap  # first multiple of gap above it
+    while nxt < max_size:
+        out.append(nxt)
+        nxt += gap
+    out.append(int(max_size))
+    return tuple(sorted(set(out)))
+
+
+def fit_buckets(histogram: Mapping[int, int], k: int, max_size: int) -> tuple[int, ...]:
+    """The k buckets minimising expected padded tokens for a tokens-per-step histogram.
+
+    Exact: an optimal bucket set can always be moved down onto observed counts
+    (a bucket above the largest count it covers only adds padding), so the
+    search is over the sorted distinct counts plus max_size, which is always
+    included so that no count can exceed the largest bucket. Dynamic
+    programme over (buckets used, last bucket): O(k * m^2) with NumPy
+    vectorised over the inner minimum, m = distinct counts.
+
+    Args:
+      histogram: tokens-per-step -> number of steps (counts >= 0).
+      k: number of buckets wanted (>= 1); fewer are returned when there are
+        fewer distinct counts.
+      max_size: the largest bucket (= max_num_batched_tokens).
+
+    Returns: strictly increasing bucket sizes, the last == max_size.
+
+    Raises:
+      ValueError: k < 1, a key outside [1, max_size], or a negative count.
+    """
+    _check_positive_int("k", k)
+    _check_positive_int("max_size", max_size)
+    weights: dict[int, float] = {}
+    for n, c in histogram.items():
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= max_size:
+            raise ValueError(f"histogram key {n!r} must be an int in [1, max_size={max_size}]")
+        if c < 0:
+            raise ValueError(f"histogram count {c!r} for {n} tokens must be >= 0")
+        weights[int(n)] = weights.get(int(n), 0) + float(c)
+    weights.setdefault(int(max_size), 0.0)
+    vals = np.array(sorted(weights), dtype=np.float64)  # [m]
+    w = np.array([weights[int(v)] for v in vals])  # [m]
+    m = len(vals)
+    k = min(k, m)
+    cum = np.concatenate([[0.0], np.cumsum(w)])  # cum[j] = weight of vals[:j]
+    # best[j] = min cost covering vals[:j+1] with the last bucket at vals[j].
+    best = vals * cum[1:]  # one bucket
+    parents = []
+    for _ in range(1, k):
+        # cost[i, j] = best[i] + vals[j] * (cum[j+1] - cum[i+1]) for i < j.
+        cost = best[:, None] + vals[None, :] * (cum[None, 1:] - cum[1:, None])  # [m, m]
+        cost[np.tril_indices(m)] = np.inf
+        arg = np.argmin(cost, axis=0)  # [m]
+        new = cost[arg, np.arange(m)]
+        parents.append(arg)
+        best = new
+    # Walk back from the forced last bucket (max_size = vals[-1]).
+    j = m - 1
+    out = [j]
+    for arg in reversed(parents):
+        j = int(arg[j])
+        out.append(j)
+    return tuple(int(vals[i]) for i in sorted(out))
+
+
+def expected_padded_tokens(histogram: Mapping[int, int], buckets: Sequence[int]) -> int:
+    """Sum over steps of the padded size (what `fit_buckets` minimises).
+
+    Raises:
+      ValueError: a count above the largest bucket.
+    """
+    b = sorted(buckets)
+    total = 0
+    for n, c in histogram.items():
+        i = bisect.bisect_left(b, n)
+        if i == len(b):
+            raise ValueError(f"{n} tokens exceed the largest bucket {b[-1]}")
+        total += b[i] * c
+    return total
+
+
+class BucketPolicy:
+    """Pads (num_tokens, num_seqs) to (T_pad, S_pad) and counts padding per bucket.
+
+    Args:
+      token_buckets: strictly increasing positive ints; the largest is the
+        step's token capacity (max_num_batched_tokens).
+      seq_buckets: strictly increasing positive ints; the largest is the
+        step's sequence capacity (>= max_num_seqs).
+
+    Raises:
+      ValueError: empty, non-increasing or non-positive bucket lists.
+    """
+
+    def __init__(self, token_buckets: Sequence[int], seq_buckets: Sequence[int]):
+        self.token_buckets = _validate_buckets("token_buckets", token_buckets)
+        self.seq_buckets = _validate_buckets("seq_buckets", seq_buckets)
+        self._steps = {b: 0 for b in self.token_buckets}
+        self._real = {b: 0 for b in self.token_buckets}
+        self._seq_steps = {b: 0 for b in self.seq_buckets}
+
+    @classmethod
+    def from_config(cls, cfg: SchedulerConfig) -> "BucketPolicy":
+        """Explicit lists from the config, else the configured builder.
+
+        Tokens: "pow2" -> pow2_buckets(max_num_batched_tokens, min_token_bucket);
+        "pow2_linear" -> pow2_linear_buckets(max_num_batched_tokens, bucket_gap,
+        min_token_bucket). Sequences: pow2_buckets(max_num_seqs).
+        """
+        tb = cfg.token_buckets
+        if tb is None:
+            if cfg.bucket_policy == "pow2":
+                tb = pow2_buckets(cfg.max_num_batched_tokens, cfg.min_token_bucket)
+            else:
+                tb = pow2_linear_buckets(cfg.max_num_batched_tokens, cfg.bucket_gap,
+                                         cfg.min_token_bucket)
+        sb = cfg.seq_buckets if cfg.seq_buckets is not None else pow2_buckets(cfg.max_num_seqs)
+        return cls(tb, sb)
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.token_buckets[-1]
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.seq_buckets[-1]
+
+    def pad_tokens(self, num_tokens: int) -> int:
+        """Smallest token bucket >= num_tokens. Raises ValueError above the largest."""
+        i = bisect.bisect_left(self.token_buckets, num_tokens)
+        if i == len(self.token_buckets) or num_tokens < 1:
+            raise ValueError(f"num_tokens={num_tokens} must be in [1, largest token bucket="
+                             f"{self.token_buckets[-1]}]")
+        return self.token_buckets[i]
+
+    def pad_seqs(self, num_seqs: int) -> int:
+        """Smallest sequence bucket >= num_seqs. Raises ValueError above the largest."""
+        i = bisect.bisect_left(self.seq_buckets, num_seqs)
+        if i == len(self.seq_buckets) or num_seqs < 1:
+            raise ValueError(f"num_seqs={num_seqs} must be in [1, largest seq bucket="
+                             f"{self.seq_buckets[-1]}]")
+        return self.seq_buckets[i]
+
+    def pad(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """(T_pad, S_pad) for a step of num_tokens tokens over num_seqs sequences.
+
+        Raises:
+          ValueError: num_seqs > num_tokens (every sequence has >= 1 token), or
+            a count outside [1, largest bucket]: never a silent truncation.
+        """
+        if num_seqs > num_tokens:
+            raise ValueError(f"num_seqs={num_seqs} exceeds num_tokens={num_tokens}: "
+                             "each scheduled sequence has at least one token")
+        return self.pad_tokens(num_tokens), self.pad_seqs(num_seqs)
+
+    def all_shapes(self) -> list[tuple[int, int]]:
+        """Every (T_pad, S_pad) that `pad` can return: the warm-up set.
+
+        A step with s sequences has t >= s tokens. Token bucket T_i covers
+        t in (T_{i-1}, T_i] and seq bucket S_j covers s in (S_{j-1}, S_j], so
+        the pair is reachable iff some s in that range is <= some t in that
+        range, i.e. iff S_{j-1} + 1 <= T_i (with S_0 = 0). Exactly those pairs
+        are returned, so warm-up compiles nothing unreachable and misses nothing.
+        """
+        shapes = []
+        for t in self.token_buckets:
+            prev = 0
+            for s in self.seq_buckets:
+                if prev + 1 <= t:
+                    shapes.append((t, s))
+                prev = s
+        return shapes
+
+    # ------------------------------------------------------------ counters
+    def record(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """Pad and count one step: steps and real tokens per token bucket."""
+        t_pad, s_pad = self.pad(num_tokens, num_seqs)
+        self._steps[t_pad] += 1
+        self._real[t_pad] += num_tokens
+        self._seq_steps[s_pad] += 1
+        return t_pad, s_pad
+
+    def reset_stats(self) -> None:
+        for d in (self._steps, self._real, self._seq_steps):
+            for key in d:
+                d[key] = 0
+
+    def stats(self) -> dict:
+        """Per-bucket counters since construction (or reset_stats).
+
+        Returns {"token_buckets": {T: {"steps", "real_tokens", "padded_tokens",
+        "padding_fraction"}}, "seq_buckets": {S: steps}, "steps", "real_tokens",
+        "padded_tokens", "padding_fraction"}; padded_tokens = T * steps counts
+        every slot the device computed, padding_fraction = 1 - real / padded.
+        """
+        per = {}
+        for b in self.token_buckets:
+            steps, real = self._steps[b], self._real[b]
+            padded = b * steps
+            per[b] = {"steps": steps, "real_tokens": real, "padded_tokens": padded,
+                      "padding_fraction": (1 - real / padded) if padded else 0.0}
+        steps = sum(self._steps.values())
+        real = sum(self._real.values())
+        padded = sum(v["padded_tokens"] for v in per.values())
+        return {"token_buckets": per, "seq_buckets": dict(self._seq_steps), "steps": steps,
+                "real_tokens": real, "padded_tokens": padded,
+                "padding_fraction": (1 - real / padded) if padded else 0.0}
+
+    def __repr__(self) -> str:
+        return f"BucketPolicy(token_buckets={self.token_buckets}, seq_buckets={self.seq_buckets})"

@@ -1,0 +1,303 @@
+"""Paged KV block pool with reference counts and a hash-chained prefix cache.
+
+The pool has `num_kv_blocks` blocks of `block_size` token slots (PagedAttention,
+Kwon et al. SOSP'23). Block 0 is the reserved null block: padding writes go
+there and it is never handed out, so `num_kv_blocks - 1` blocks are usable.
+
+Prefix caching (vLLM's automatic prefix caching): every *full* block of a
+request's tokens has a hash chained over its parent,
+h_j = blake2b(h_{j-1} || tokens of block j), so equal hashes mean equal whole
+prefixes. A block becomes cached (hittable) only once its KV has been written,
+i.e. `commit()` after the step ran; a later request whose prefix matches takes
+the cached blocks by reference count instead of recomputing them. A freed
+cached block keeps its contents in the free queue and is reused until it is
+evicted, least recently freed first. Hit blocks are full, and the last prompt
+token is always recomputed, so a cached block is never written by a second
+owner. As nano-vllm does, every `allocate` has a `can_allocate` that the
+scheduler asks first, so an allocation never half-fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+from jaxserve.request import Request
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full block: 16-byte blake2b of (parent hash, token ids)."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class KVCacheManager:
+    """Block allocator of one KV pool, with optional prefix caching.
+
+    Args:
+      num_kv_blocks: N, blocks in the pool including the null block 0 (>= 2).
+      block_size: B, token slots per block.
+      enable_prefix_caching: reuse full blocks across requests by content hash.
+
+    Counters: `num_blocks` (usable, N - 1), `num_free_blocks` (free list,
+    including cached blocks nobody holds, which are evictable), `usage`
+    (fraction of usable blocks held by requests), `prefix_cache_queries` /
+    `prefix_cache_hits` (prompt tokens looked up at admission / found
+    cached), `num_evictions`.
+    """
+
+    def __init__(self, num_kv_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+        if not isinstance(num_kv_blocks, int) or num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks={num_kv_blocks!r} must be an int >= 2 "
+                             "(block 0 is the reserved null block)")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} must be a positive int")
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_kv_blocks  # owners per block
+        self._hash: list[bytes | None] = [None] * num_kv_blocks  # cached content, if any
+        # Free blocks in eviction order: the front is taken first. Uncached
+        # blocks go to the front, cached ones to the back (LRU).
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_kv_blocks))
+        self._cached: dict[bytes, int] = {}  # hash -> block holding that content
+        self._req_blocks: dict[str, list[int]] = {}
+        self._req_tuple: dict[str, tuple[int, ...]] = {}  # cached tuple(self._req_blocks[rid])
+        self._req_committed: dict[str, int] = {}  # leading blocks already committed
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_evictions = 0
+
+    # ------------------------------------------------------------ gauges
+    @property
+    def num_blocks(self) -> int:
+        """Usable blocks (the null block excluded): free + used == num_blocks."""
+        return self.num_kv_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_kv_blocks - 1 - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose content is registered in the prefix cache (held or free)."""
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests (evictable cached blocks count as free)."""
+        return self.num_used_blocks / (self.num_kv_blocks - 1)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's block-table row (cached tuple; () if it holds none)."""
+        t = self._req_tuple.get(request_id)
+        if t is None:
+            t = tuple(self._req_blocks.get(request_id, ()))
+            self._req_tuple[request_id] = t
+        return t
+
+    # ------------------------------------------------------------ hashing
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """Hashes of the first num_blocks full blocks of the request's tokens (memoised)."""
+        hashes = request.block_hashes
+        B = self.block_size
+        toks = request.all_token_ids
+        while len(hashes) < num_blocks:
+            j = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, toks[j * B:(j + 1) * B]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a request that holds no blocks: (block ids, tokens).
+
+        At most (num_tokens - 1) // B blocks, so the last token (of a prompt
+        that is an exact multiple of B, too) is always computed: its logits
+        are needed and its block must be written by this request alone.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit = []
+        for h in self.block_hashes(request, max_blocks):
+            b = self._cached.get(h)
+            if b is None:
+                break
+            hit.append(b)
+        return hit, len(hit) * self.block_size
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    # ------------------------------------------------------------ allocation
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, num_hits: int) -> int:
+        held = len(self._req_blocks.get(request.request_id, ()))
+        total = request.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        return -(-total // self.block_size) - held - num_hits
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: Sequence[int] = ()) -> bool:
+        """Whether `allocate` with the same arguments would succeed.
+
+        Hit blocks that nobody holds sit in the free list, so taking them
+        costs free blocks too.
+        """
+        need = self._num_new_blocks(request, num_new_tokens, len(new_computed_blocks))
+        if new_computed_blocks:
+            need += sum(1 for b in new_computed_blocks if self._ref[b] == 0)
+        return need <= len(self._free)
+
+    def allocate(self, request: Request, num_new_tokens: int,
+                 new_computed_blocks: Sequence[int] = ()) -> list[int]:
+        """Take the hit blocks, then fresh blocks until the request's slots cover
+        num_computed_tokens + len(hits) * B + num_new_tokens tokens.
+
+        Returns the fresh block ids. Raises RuntimeError when `can_allocate` is
+        False (a scheduler bug: it must ask first); nothing is changed then.
+        """
+        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
+            raise RuntimeError(f"allocate({request.request_id!r}, {num_new_tokens}) without "
+                               f"room: {len(self._free)} free blocks")
+        need = self._num_new_blocks(request, num_new_tokens, len(new_computed_blocks))
+        rid = request.request_id
+        blocks = self._req_blocks.setdefault(rid, [])
+        for b in new_computed_blocks:
+            if self._ref[b] == 0:
+                del self._free[b]
+            self._ref[b] += 1
+            blocks.append(b)
+        fresh = []
+        for _ in range(max(need, 0)):
+            b, _ = self._free.popitem(last=False)
+            h = self._hash[b]
+            if h is not None:  # evict the least recently freed cached block
+                del self._cached[h]
+                self._hash[b] = None
+                self.num_evictions += 1
+            self._ref[b] = 1
+            fresh.append(b)
+        if fresh or new_computed_blocks:
+            blocks.extend(fresh)
+            self._req_tuple.pop(rid, None)
+        if new_computed_blocks:
+            self._req_committed[rid] = len(new_computed_blocks)
+        return fresh
+
+    def try_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """`allocate(request, num_new_tokens)` if `can_allocate`, in one call.
+
+        The per-step path of a running request: most decode steps fit in the
+        last block already and cost one comparison.
+        """
+        blocks = self._req_blocks.get(request.request_id)
+        held = len(blocks) if blocks else 0
+        need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - held
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        self.allocate(request, num_new_tokens)
+        return True
+
+    def commit(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache.
+
+        Called after the step that wrote their KV. A block whose content is
+        already cached elsewhere stays private (one cached copy per hash).
+        """
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        n_full = request.num_computed_tokens // self.block_size
+        start = self._req_committed.get(rid, 0)
+        if n_full <= start:
+            return
+        blocks = self._req_blocks[rid]
+        hashes = self.block_hashes(request, n_full)
+        for j in range(start, n_full):
+            b, h = blocks[j], hashes[j]
+            if self._hash[b] is None and h not in self._cached:
+                self._hash[b] = h
+                self._cached[h] = b
+        self._req_committed[rid] = n_full
+
+    def free(self, request_id: str) -> int:
+        """Drop the request's hold on its blocks; returns how many it held.
+
+        Blocks reaching zero owners join the free list: uncached ones at the
+        front (nothing worth keeping), cached ones at the back in reverse
+        order, so a prefix's tail is evicted before its head.
+        """
+        blocks = self._req_blocks.pop(request_id, None)
+        self._req_tuple.pop(request_id, None)
+        self._req_committed.pop(request_id, None)
+        if not blocks:
+            return 0
+        for b in reversed(blocks):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free[b] = None
+                if self._hash[b] is None:
+                    self._free.move_to_end(b, last=False)
+        return len(blocks)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody holds; returns how many."""
+        n = 0
+        for b in self._free:
+            h = self._hash[b]
+            if h is not None:
+                del self._cached[h]
+                self._hash[b] = None
+                n += 1
+        return n
+
+    # ------------------------------------------------------------ checks
+    def owners(self) -> dict[str, tuple[int, ...]]:
+        """request_id -> blocks held (a copy, for tests and debugging)."""
+        return {r: tuple(b) for r, b in self._req_blocks.items()}
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._hash[block_id] is not None
+
+    def check_invariants(self, live_request_ids: Iterable[str] | None = None) -> None:
+        """Assert the pool's bookkeeping is consistent; raises AssertionError if not.
+
+        free + held == usable; the null block is never free nor held; each
+        block's ref count equals its number of holders; free blocks have
+        ref 0; the hash index and per-block hashes agree.
+        """
+        held: dict[int, int] = {}
+        for rid, blocks in self._req_blocks.items():
+            assert len(set(blocks)) == len(blocks), f"{rid} holds a block twice: {blocks}"
+            for b in blocks:
+                held[b] = held.get(b, 0) + 1
+        assert 0 not in held and 0 not in self._free, "the null block 0 was handed out"
+        assert not set(held) & set(self._free), "a block is both free and held"
+        assert len(held) + len(self._free) == self.num_kv_blocks - 1, (
+            f"held {len(held)} + free {len(self._free)} != usable {self.num_kv_blocks - 1}")
+        for b in range(1, self.num_kv_blocks):
+            assert self._ref[b] == held.get(b, 0), f"block {b}: ref {self._ref[b]} != holders"
+        for h, b in self._cached.items():
+            assert self._hash[b] == h, f"cache index points at block {b} with another hash"
+        assert sum(h is not None for h in self._hash) == len(self._cached)
+        if live_request_ids is not None:
+            assert set(self._req_blocks) <= set(live_request_ids), (
+                f"blocks held by dead requests: {set(self._req_blocks) - set(live_request_ids)}")

@@ -1,0 +1,499 @@
+"""The iteration-level scheduler: before every forward pass, who runs and how much.
+
+Orca (Yu et al., OSDI'22) schedules per iteration; vLLM V1 dropped the
+prefill/decode phases: each request has `num_computed_tokens` and a token
+list, and a step hands it tokens until the two meet. Chunked prefill, decode
+and the re-prefill of a preempted request are then one operation. Order of
+one `schedule()` (stall-free batching, Sarathi-Serve OSDI'24):
+
+1. RUNNING requests, decodes (one token left) first, then the chunks of
+   requests still prefilling, within `max_num_batched_tokens`. When one
+   cannot get its next block, the least important running request is
+   preempted by recompute (FCFS: the last admitted; priority: the largest
+   (priority, arrival)): blocks freed, `num_computed_tokens = 0`, back to the
+   front of the waiting queue. Its tokens are kept, so the resumed run
+   recomputes prompt + outputs and samples nothing until it reaches the end.
+2. WAITING requests, only if nobody was preempted this step, with what is
+   left of the budget, up to `max_num_seqs` running, and only when
+   `can_allocate` says all their blocks for this step exist.
+
+Only the oldest running request can never be preempted by another, and every
+request fits the pool alone (checked in `add_request`), so the oldest always
+progresses: no livelock. Plain Python: no jax import anywhere in this package.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Iterable, Mapping, Sequence
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.request import Request, RequestStatus
+from jaxserve.scheduler.buckets import BucketPolicy
+from jaxserve.scheduler.kv_cache_manager import KVCacheManager
+from jaxserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from jaxserve.scheduler.request_queue import FCFSQueue, PriorityQueue
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a paged, prefix-cached KV pool.
+
+    Args:
+      scheduler_config: token budget, max_num_seqs, max_model_len, policy,
+        long_prefill_token_threshold, static_batching.
+      cache_config: block_size, num_kv_blocks (must be set), prefix caching.
+      bucket_policy: (T_pad, S_pad) padding; default
+        `BucketPolicy.from_config(scheduler_config)`. Its largest token bucket
+        must equal max_num_batched_tokens and its largest sequence bucket be
+        >= max_num_seqs. The scheduler records every step in its counters.
+
+    Raises:
+      ValueError: num_kv_blocks is None, or buckets that do not match the limits.
+
+    The engine alternates `schedule()` and `update_from_output()`; calling
+    `schedule()` again while a non-empty plan still has live requests waiting
+    for their tokens raises RuntimeError (their tokens would be lost).
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
+                 bucket_policy: BucketPolicy | None = None):
+        if cache_config.num_kv_blocks is None:
+            raise ValueError("CacheConfig.num_kv_blocks=None: the scheduler needs the pool size "
+                             "(resolve it from kv_cache_memory_bytes first)")
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_kv_blocks, cache_config.block_size,
+            enable_prefix_caching=cache_config.enable_prefix_caching)
+        policy = bucket_policy or BucketPolicy.from_config(scheduler_config)
+        if policy.token_buckets[-1] != scheduler_config.max_num_batched_tokens:
+            raise ValueError(f"largest token bucket {policy.token_buckets[-1]} must equal "
+                             f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens}")
+        if policy.seq_buckets[-1] < scheduler_config.max_num_seqs:
+            raise ValueError(f"largest seq bucket {policy.seq_buckets[-1]} must be >= "
+                             f"max_num_seqs={scheduler_config.max_num_seqs}")
+        self.bucket_policy = policy
+        self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
+        self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FCFSQueue()
+        self.running: list[Request] = []  # admission order (priority: sorted by key)
+        self.requests: dict[str, Request] = {}  # live (unfinished) requests
+        self.num_preemptions = 0
+        self._seq = itertools.count()
+        self._order: dict[str, int] = {}  # request_id -> add order (tie-break)
+        self._finished_ids: list[str] = []
+        self._force_preempt: list[str] = []
+        self._pending_out: SchedulerOutput | None = None
+        self._step = 0
+
+    # ------------------------------------------------------------ queries
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def pending_output(self) -> SchedulerOutput | None:
+        """The last non-empty plan not yet passed to update_from_output, if any."""
+        return self._pending_out
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live request, or None (unknown, or already finished and handed back)."""
+        return self.requests.get(request_id)
+
+    # ------------------------------------------------------------ admission
+    def add_request(self, request: Request) -> None:
+        """Validate and queue a new request.
+
+        `request.max_tokens` is resolved here: None becomes
+        `max_model_len - num_prompt_tokens`, and a larger value is CLAMPED to
+        it (the request then ends with finish_reason "length"), as vLLM does.
+
+        Raises:
+          ValueError: duplicate live request_id; a request that is not new;
+            an empty prompt; prompt length >= max_model_len (no position left
+            for an output token); max_tokens < 1; a request whose prompt +
+            max_tokens needs more KV blocks than the pool has (it could never
+            run). Nothing is queued when it raises.
+        """
+        if not isinstance(request, Request):
+            raise ValueError(f"add_request expects a Request, got {type(request).__name__}")
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id={rid!r} is already in use by a live request")
+        if request.status != RequestStatus.WAITING or request.output_token_ids:
+            raise ValueError(f"request {rid!r} is not new (status {request.status.name}, "
+                             f"{request.num_output_tokens} outputs)")
+        P, M, B = request.num_prompt_tokens, self.config.max_model_len, self.block_size
+        if P == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty (0 tokens); at least 1 is needed")
+        if P >= M:
+            raise ValueError(f"request {rid!r}: prompt length {P} must be < max_model_len={M} "
+                             "(one position is needed for the first output token)")
+        mt = request.max_tokens
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
+            raise ValueError(f"request {rid!r}: max_tokens={mt!r} must be an int >= 1")
+        mt = M - P if mt is None else min(mt, M - P)
+        # The last output token is never fed back, so positions 0 .. P + mt - 2 hold KV.
+        need = -(-(P + mt - 1) // B)
+        usable = self.kv_cache_manager.num_blocks
+        if need > usable:
+            raise ValueError(
+                f"request {rid!r}: prompt {P} + max_tokens {mt} needs {need} KV blocks of "
+                f"{B} tokens, but the pool has {usable} usable blocks (num_kv_blocks="
+                f"{usable + 1} incl. the null block); lower max_tokens or raise num_kv_blocks")
+        request.max_tokens = mt
+        self.requests[rid] = request
+        self._order[rid] = next(self._seq)
+        self.waiting.push(request)
+
+    # ------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step; advances num_computed_tokens of every scheduled request.
+
+        Raises:
+          RuntimeError: the previous plan's live requests still await
+            `update_from_output`.
+        """
+        prev = self._pending_out
+        if prev is not None:
+            if any(sr.request_id in self.requests for sr in prev.scheduled):
+                raise RuntimeError(f"schedule() called before update_from_output() for step "
+                                   f"{prev.step}; its sampled tokens would be lost")
+            self._pending_out = None
+        self._step += 1
+        # request_id -> (request, tokens this step), in row order
+        scheduled: dict[str, tuple[Request, int]] = {}
+        preempted: list[Request] = []
+        pending: set[bytes] = set()  # hashes of blocks this step fills (not yet hittable)
+        for rid in self._force_preempt:
+            req = self.requests.get(rid)
+            if req is not None and req.status == _RUNNING:
+                self.running.remove(req)
+                self._preempt(req)
+                preempted.append(req)
+        self._force_preempt.clear()
+        static = self.config.static_batching
+        if static and not self.running and not preempted:
+            self._admit_static_batch()
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted,
+                                        pending)
+        if not preempted and not static:
+            self._schedule_waiting(budget, scheduled, pending)
+        return self._make_output(scheduled, preempted)
+
+    def _chunk(self, n: int, budget: int) -> int:
+        thr = self.config.long_prefill_token_threshold
+        if thr and n > thr:
+            n = thr
+        return budget if n > budget else n
+
+    def _schedule_running(self, budget: int, scheduled: dict[str, tuple[Request, int]],
+                          preempted: list[Request], pending: set[bytes]) -> int:
+        kv = self.kv_cache_manager
+        try_allocate = kv.try_allocate
+        caching = kv.enable_prefix_caching
+        B = self.block_size
+        thr = self.config.long_prefill_token_threshold
+        chunks: list[Request] = []  # requests with > 1 token left, served after all decodes
+        for req in list(self.running):  # a copy: preemption pops from the tail
+            if req.status is not _RUNNING:  # preempted earlier in this loop
+                continue
+            c = req.num_computed_tokens
+            if len(req.all_token_ids) - c > 1:
+                chunks.append(req)
+            elif budget > 0:
+                if try_allocate(req, 1):
+                    scheduled[req.request_id] = (req, 1)
+                    budget -= 1
+                    if caching and (c + 1) % B == 0:
+                        self._note_pending(req, 1, pending)
+                else:
+                    budget = self._preempt_for(req, 1, budget, scheduled, preempted, pending)
+        for req in chunks:
+            if budget <= 0:
+                break
+            if req.status is not _RUNNING:
+                continue
+            c = req.num_computed_tokens
+            n = len(req.all_token_ids) - c
+            if thr and n > thr:
+                n = thr
+            if n > budget:
+                n = budget
+            if try_allocate(req, n):
+                scheduled[req.request_id] = (req, n)
+                budget -= n
+                if caching and (c + n) // B > c // B:
+                    self._note_pending(req, n, pending)
+            else:
+                budget = self._preempt_for(req, n, budget, scheduled, preempted, pending)
+        return budget
+
+    def _preempt_for(self, req: Request, n: int, budget: int,
+                     scheduled: dict[str, tuple[Request, int]], preempted: list[Request],
+                     pending: set[bytes]) -> int:
+        """Preempt from the tail of `running` until req's n tokens get blocks (or req itself
+        is preempted); a victim already scheduled this step gives its budget back."""
+        kv = self.kv_cache_manager
+        while True:
+            victim = self.running.pop()  # the least important request
+            budget += scheduled.pop(victim.request_id, (None, 0))[1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return budget
+            if kv.try_allocate(req, n):
+                break
+        scheduled[req.request_id] = (req, n)
+        if kv.enable_prefix_caching:
+            self._note_pending(req, n, pending)
+        return budget - n
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, tuple[Request, int]],
+                          pending: set[bytes]) -> None:
+        kv = self.kv_cache_manager
+        max_seqs = self.config.max_num_seqs
+        deferred: list[Request] = []
+        while len(self.waiting) and budget > 0 and len(self.running) < max_seqs:
+            req = self.waiting.peek()
+            hits, n_hit = kv.get_computed_blocks(req)
+            if pending and self._fills_pending_block(req, len(hits), pending):
+                # A block of its prefix is being computed this step by another
+                # request (e.g. an n>1 sibling): admit it next step as a hit.
+                deferred.append(self.waiting.pop())
+                continue
+            n = self._chunk(req.num_tokens - n_hit, budget)
+            if not kv.can_allocate(req, n, hits):
+                break  # FCFS head-of-line: later requests must not starve it
+            self.waiting.pop()
+            kv.allocate(req, n, hits)
+            kv.record_lookup(req.num_tokens, n_hit)
+            req.num_computed_tokens = n_hit
+            self._set_running(req)
+            scheduled[req.request_id] = (req, n)
+            budget -= n
+            if kv.enable_prefix_caching:
+                self._note_pending(req, n, pending)
+        for req in reversed(deferred):
+            self.waiting.push_front(req)
+
+    def _admit_static_batch(self) -> None:
+        """Static batching: admit as many as fit at full length, then nobody until all finish.
+
+        Each admitted request reserves blocks for prompt + max_tokens, so the
+        batch never preempts; the running loop then prefills and decodes it.
+        """
+        kv = self.kv_cache_manager
+        free = kv.num_free_blocks
+        while len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            footprint = kv.blocks_for_tokens(req.num_prompt_tokens + req.max_tokens - 1)
+            if footprint > free:
+                break
+            free -= footprint
+            self.waiting.pop()
+            hits, n_hit = kv.get_computed_blocks(req)
+            kv.allocate(req, 0, hits)
+            kv.record_lookup(req.num_tokens, n_hit)
+            req.num_computed_tokens = n_hit
+            self._set_running(req)
+
+    def _fills_pending_block(self, req: Request, n_hits: int, pending: set[bytes]) -> bool:
+        if n_hits >= (req.num_tokens - 1) // self.block_size:
+            return False
+        return self.kv_cache_manager.block_hashes(req, n_hits + 1)[n_hits] in pending
+
+    def _note_pending(self, req: Request, n: int, pending: set[bytes]) -> None:
+        B = self.block_size
+        first, end = req.num_computed_tokens // B, (req.num_computed_tokens + n) // B
+        if end > first:
+            pending.update(self.kv_cache_manager.block_hashes(req, end)[first:end])
+
+    def _set_running(self, req: Request) -> None:
+        req.status = _RUNNING
+        if self.config.policy == "priority":
+            bisect.insort(self.running, req, key=self._priority_key)
+        else:
+            self.running.append(req)
+
+    def _priority_key(self, req: Request) -> tuple[int, float, int]:
+        return (req.priority, req.arrival_time, self._order[req.request_id])
+
+    def _preempt(self, req: Request) -> None:
+        """Preempt by recompute; the caller has removed it from `running`."""
+        self.kv_cache_manager.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(req)
+
+    def _make_output(self, scheduled: dict[str, tuple[Request, int]],
+                     preempted: list[Request]) -> SchedulerOutput:
+        rows = []
+        total = 0
+        block_ids = self.kv_cache_manager.get_block_ids
+        make = ScheduledRequest.make
+        for rid, (req, n) in scheduled.items():
+            c = req.num_computed_tokens
+            end = c + n
+            toks = req.all_token_ids
+            ids = (toks[c],) if n == 1 else tuple(toks[c:end])
+            rows.append(make(rid, ids, c, block_ids(rid), end == len(toks),
+                             len(req.output_token_ids)))
+            req.num_computed_tokens = end
+            total += n
+        t_pad, s_pad = self.bucket_policy.record(total, len(rows)) if rows else (0, 0)
+        out = SchedulerOutput(tuple(rows), total, t_pad, s_pad,
+                              tuple(r.request_id for r in preempted), tuple(self._finished_ids),
+                              self._step)
+        self._finished_ids = []
+        self._pending_out = out if rows else None
+        return out
+
+    # ------------------------------------------------------------ results
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled_token_ids: Mapping[str, int] | Sequence[int]) -> list[Request]:
+        """Apply one step's sampled tokens; return the requests it finished.
+
+        Args:
+          out: the plan returned by the last `schedule()`.
+          sampled_token_ids: request_id -> token id for every row with
+            sample=True, or a sequence indexed by row (entries of rows with
+            sample=False are ignored). Rows of requests finished or aborted
+            since `schedule()` are skipped.
+
+        Appends each token, registers newly full blocks in the prefix cache,
+        applies the stop rules (`Request.check_stop`) and frees the blocks of
+        finished requests.
+
+        Raises:
+          ValueError: `out` is not the pending plan, or a sampled token is missing.
+        """
+        if out is not self._pending_out:
+            if not out.scheduled:
+                return []
+            raise ValueError(f"update_from_output(step={out.step}) does not match the pending "
+                             "plan (already applied, or not the latest schedule())")
+        rows = out.scheduled
+        reqs = self.requests
+        if isinstance(sampled_token_ids, Mapping):
+            toks = []  # aligned with rows; validated before any state changes
+            for i, sr in enumerate(rows):
+                tok = None
+                if sr.sample and sr.request_id in reqs:
+                    try:
+                        tok = sampled_token_ids[sr.request_id]
+                    except KeyError:
+                        raise ValueError(f"no sampled token for request {sr.request_id!r} "
+                                         f"(row {i}, sample=True)") from None
+                toks.append(tok)
+        else:
+            toks = sampled_token_ids
+            if len(toks) < len(rows):
+                raise ValueError(f"{len(toks)} sampled tokens for {len(rows)} rows")
+        self._pending_out = None
+        kv = self.kv_cache_manager
+        commit = kv.commit if kv.enable_prefix_caching else None
+        B = self.block_size
+        finished = []
+        for i, sr in enumerate(rows):
+            req = reqs.get(sr.request_id)
+            if req is None:  # finished or aborted since schedule()
+                continue
+            if commit is not None:
+                s = sr.start_pos
+                if (s + len(sr.token_ids)) // B > s // B:
+                    commit(req)
+            if sr.sample:
+                status = req.append_and_check(int(toks[i]))
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+        return finished
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == _RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv_cache_manager.free(req.request_id)
+        req.status = status
+        rid = req.request_id
+        del self.requests[rid]
+        self._order.pop(rid, None)
+        self._finished_ids.append(rid)
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        status: RequestStatus) -> list[Request]:
+        """Finish requests in any state (stop string, abort, error); frees their blocks now.
+
+        Unknown or already finished ids are ignored. Returns the requests finished.
+
+        Raises:
+          ValueError: status is not a FINISHED_* status.
+        """
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status={status!r} must be a FINISHED_* status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, status)
+                done.append(req)
+        return done
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in any state (waiting, running, mid-chunk, preempted).
+
+        Frees its blocks at once; returns False if it is unknown or finished.
+        """
+        return bool(self.finish_requests((request_id,), RequestStatus.FINISHED_ABORTED))
+
+    def preempt(self, request_id: str) -> bool:
+        """Test hook (cases C05): preempt a running request at the next schedule().
+
+        That step then admits nobody, so the request resumes (recomputing
+        prompt + outputs) at the step after. Returns False when the request
+        is not running now (it may still be preempted if it runs by then).
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"preempt: unknown or finished request_id={request_id!r}")
+        self._force_preempt.append(request_id)
+        return req.status == _RUNNING
+
+    # ------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """Assert the scheduler's and the pool's bookkeeping agree (tests, debugging)."""
+        kv = self.kv_cache_manager
+        kv.check_invariants(self.requests)
+        owners = kv.owners()
+        B = self.block_size
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert len(running_ids) == len(self.running) and not running_ids & waiting_ids
+        assert running_ids | waiting_ids == set(self.requests), "a live request is lost"
+        assert len(self.running) <= self.config.max_num_seqs
+        for r in self.running:
+            assert r.status == _RUNNING
+            blocks = owners.get(r.request_id, ())
+            assert len(blocks) * B >= r.num_computed_tokens, f"{r} has too few blocks"
+            # Blocks still to be written are held by this request alone and uncached.
+            for b in blocks[r.num_computed_tokens // B:]:
+                assert kv.ref_count(b) == 1 and not kv.is_cached(b), f"{r}: block {b} shared"
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.num_computed_tokens == 0 and r.request_id not in owners

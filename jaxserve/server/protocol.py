@@ -1,0 +1,283 @@
+"""OpenAI request bodies (pydantic) and their translation to `SamplingParams`.
+
+The models follow the OpenAI REST reference for `/v1/completions` and
+`/v1/chat/completions`, plus vLLM's non-OpenAI sampling fields (top_k, min_p,
+min_tokens, ignore_eos, repetition_penalty, stop_token_ids,
+include_stop_str_in_output, priority) accepted in the same body. Models are
+`strict`: a JSON value of the wrong type (a string for `max_tokens`, `true` for
+a token id) is a 400, never silently coerced. Unknown fields are ignored, as in
+OpenAI's API.
+
+max_tokens policy: `max_tokens` (or chat `max_completion_tokens`) must be an
+int >= 1, else 400 naming the field; omitted or null means "until EOS / stop,
+at most max_model_len - prompt_tokens" (the engine clamps) on both endpoints;
+unlike OpenAI's legacy completions default of 16. A prompt that leaves no room
+for one output token (prompt_tokens >= max_model_len) is a 400 from the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxserve.sampling_params import MAX_N, SamplingParams
+
+# Most choices (prompts x n) one HTTP request may ask for: a bound on the
+# work one body can enqueue, so a single request cannot flood the scheduler.
+MAX_CHOICES_PER_REQUEST = 256
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {message, type, param, code}}`.
+
+    Args:
+      status: HTTP status code (400, 401, 404, 500, 503).
+      message: human-readable text naming the bad value and the limit it broke.
+      param: the request field at fault, or None.
+      err_type: OpenAI error type ("invalid_request_error", ...).
+      code: optional machine code ("model_not_found", ...).
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 err_type: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.err_type = err_type or _DEFAULT_TYPES.get(status, "invalid_request_error")
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type,
+                          "param": self.param, "code": self.code}}
+
+
+_DEFAULT_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                  404: "not_found_error", 405: "invalid_request_error",
+                  500: "internal_server_error", 503: "service_unavailable"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    # vLLM extension: a cumulative `usage` object on every chunk.
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints (OpenAI ones and vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+class CompletionRequest(_SamplingFields):
+    """Body of POST /v1/completions.
+
+    `prompt` is a string, a list of strings, a list of token ids, or a list of
+    token-id lists; each prompt becomes one engine request and contributes `n`
+    choices, indexed `prompt_index * n + sample_index`.
+    """
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    # None (not OpenAI's legacy 16): "up to max_model_len - prompt tokens", see module doc.
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """Body of POST /v1/chat/completions (messages go through the chat template)."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+def normalize_prompts(prompt: Any) -> list[str | list[int]]:
+    """Split a completions `prompt` into one entry per engine request.
+
+    Raises:
+      APIError(400, param="prompt"): the prompt (or any entry) is empty.
+    """
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif len(prompt) == 0:
+        raise APIError(400, "prompt is empty: give a non-empty string or token-id list",
+                       param="prompt")
+    elif isinstance(prompt[0], int):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise APIError(400, f"{where} is empty: a request needs at least one prompt token",
+                           param="prompt")
+        if isinstance(p, list) and any(t < 0 for t in p):
+            raise APIError(400, f"prompt token ids must be >= 0, got {min(p)}", param="prompt")
+    return prompts
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as plain `{"role", "content"}` dicts for `apply_chat_template`.
+
+    Text parts of a list-valued content are concatenated.
+
+    Raises:
+      APIError(400, param="messages"): the list is empty.
+    """
+    if not req.messages:
+        raise APIError(400, "messages is empty: give at least one message", param="messages")
+    out = []
+    for m in req.messages:
+        if m.content is None:
+            content = ""
+        elif isinstance(m.content, str):
+            content = m.content
+        else:
+            content = "".join(p.text for p in m.content)
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+_PARAM_RE = re.compile(r"SamplingParams\.(\w+)=")
+
+
+def _check_common(req: _SamplingFields, served_model_names: list[str]) -> None:
+    if req.model is not None and req.model not in served_model_names:
+        raise APIError(400, f"model={req.model!r} does not exist; this server serves "
+                       f"{served_model_names}", param="model", code="model_not_found")
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n={req.n} is out of range: must be in [1, {MAX_N}]", param="n")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def _build_params(req: _SamplingFields, *, max_tokens: int | None, max_tokens_field: str,
+                  logprobs: int | None) -> SamplingParams:
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"{max_tokens_field}={max_tokens} is invalid: must be an int >= 1, or "
+                       "omitted for 'up to max_model_len - prompt tokens'",
+                       param=max_tokens_field)
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    try:
+        return SamplingParams(
+            n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=req.top_k, top_p=1.0 if req.top_p is None else req.top_p, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=req.seed, stop=tuple(stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens)
+    except ValueError as e:
+        m = _PARAM_RE.search(str(e))
+        param = m.group(1) if m else None
+        if param == "max_tokens":
+            param = max_tokens_field
+        raise APIError(400, str(e).replace("SamplingParams.", ""), param=param) from e
+
+
+def completion_params(req: CompletionRequest, *, served_model_names: list[str],
+                      max_logprobs: int) -> SamplingParams:
+    """Validate a completions body and build its `SamplingParams`.
+
+    Raises:
+      APIError(400): naming the bad field (model, n, max_tokens, logprobs, echo, ...).
+    """
+    _check_common(req, served_model_names)
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, f"best_of={req.best_of} is not supported (only best_of == n)",
+                       param="best_of")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= max_logprobs:
+        raise APIError(400, f"logprobs={req.logprobs} is out of range: must be in "
+                       f"[0, {max_logprobs}]", param="logprobs")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not "
+                       "computed)", param="echo")
+    return _build_params(req, max_tokens=req.max_tokens, max_tokens_field="max_tokens",
+                         logprobs=req.logprobs)
+
+
+def chat_params(req: ChatCompletionRequest, *, served_model_names: list[str],
+                max_logprobs: int) -> SamplingParams:
+    """Validate a chat body and build its `SamplingParams`.
+
+    `max_completion_tokens` wins over the deprecated `max_tokens` when both are set.
+
+    Raises:
+      APIError(400): naming the bad field.
+    """
+    _check_common(req, served_model_names)
+    if req.tools:
+        raise APIError(400, "tools are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, f"response_format={req.response_format!r} is not supported "
+                       "(only type 'text')", param="response_format")
+    logprobs = None
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= max_logprobs:
+            raise APIError(400, f"top_logprobs={req.top_logprobs} is out of range: must be in "
+                           f"[0, {max_logprobs}]", param="top_logprobs")
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
+    if req.max_completion_tokens is not None:
+        max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, field = req.max_tokens, "max_tokens"
+    return _build_params(req, max_tokens=max_tokens, max_tokens_field=field, logprobs=logprobs)
+
+
+def check_num_choices(num_prompts: int, n: int) -> None:
+    """Raises APIError(400, param="prompt") when prompts x n exceeds the per-request cap."""
+    if num_prompts * n > MAX_CHOICES_PER_REQUEST:
+        raise APIError(400, f"{num_prompts} prompts x n={n} = {num_prompts * n} choices exceeds "
+                       f"the limit of {MAX_CHOICES_PER_REQUEST} per request", param="prompt")

@@ -1,0 +1,310 @@
+"""The two generation endpoints: request -> engine requests -> JSON or SSE.
+
+Both endpoints share one path: validate the body into `SamplingParams`
+(400 naming the field), add every prompt as one engine request through
+`AsyncEngine.submit` (the engine's synchronous `ValueError` -> 400), then
+either collect the deltas into one JSON body (polling
+`request.is_disconnected()` so a vanished client's request is aborted) or
+stream them as OpenAI chunks over SSE (a disconnect cancels the generator,
+whose `finally` aborts the request). Text, token counts and usage are built
+from the same deltas in both modes, so streamed text concatenates to the
+non-streamed text and the usage objects are equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxserve.server.async_engine import (AddRequestError, AsyncEngine, CompletionDelta,
+                                          EngineRequest, RequestDelta, RequestGroup)
+from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                      chat_messages, chat_params, check_num_choices,
+                                      completion_params, normalize_prompts)
+
+# How often a non-streaming handler asks whether its client is still there (s).
+DISCONNECT_POLL_S = 0.1
+
+_ENGINE_PARAMS = ("prompt", "messages", "max_tokens", "n", "stop_token_ids", "logprobs",
+                  "priority", "seed", "top_k", "min_tokens")
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class _Acc:
+    """Per-choice accumulation of deltas; choice index = prompt_index * n + sample index."""
+
+    def __init__(self, group: RequestGroup, n: int):
+        self.n = n
+        self.prompt_index = {rid: i for i, rid in enumerate(group.request_ids)}
+        self.choices = [_Choice() for _ in range(len(group.request_ids) * n)]
+        self.prompt_tokens = sum(len(p) for p in group.prompt_token_ids)
+
+    def apply(self, d: RequestDelta) -> list[tuple[int, CompletionDelta]]:
+        if d.error is not None:
+            raise APIError(d.status, d.error, err_type=None if d.status != 500 else "server_error")
+        out = []
+        for c in d.outputs:
+            if c.finish_reason == "error":
+                raise APIError(500, f"request failed inside the engine: {c.error}",
+                               err_type="server_error")
+            idx = self.prompt_index[d.request_id] * self.n + c.index
+            ch = self.choices[idx]
+            ch.text.append(c.text)
+            ch.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                ch.logprobs.extend(c.logprobs)
+            if c.finish_reason is not None:
+                ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+            out.append((idx, c))
+        return out
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+
+def _guess_param(msg: str) -> str | None:
+    low = msg.lower()
+    for p in _ENGINE_PARAMS:
+        if p in low:
+            return p
+    if "max_model_len" in low or "token" in low:
+        return "prompt"
+    return None
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class OpenAIServing:
+    """Handlers for /v1/completions and /v1/chat/completions.
+
+    Args:
+      engine: the running `AsyncEngine`.
+      served_model_names: names accepted in the `model` field (first is reported).
+    """
+
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str]):
+        self.engine = engine
+        self._names = served_model_names
+        self._token_str: dict[int, str] = {}
+
+    @property
+    def model_names(self) -> list[str]:
+        """Accepted `model` names; empty config -> the engine's `model_name`."""
+        return self._names or [getattr(self.engine.engine, "model_name", None) or "jaxserve"]
+
+    def _require_ready(self) -> None:
+        if not self.engine.is_ready:
+            raise APIError(503, f"the engine is {self.engine.state}; retry later")
+
+    @property
+    def max_logprobs(self) -> int:
+        """The largest `logprobs` / `top_logprobs` accepted (EngineConfig.max_logprobs)."""
+        return getattr(getattr(self.engine.engine, "config", None), "max_logprobs", 20)
+
+    # ------------------------------------------------------------------ helpers
+    def token_str(self, token_id: int) -> str:
+        s = self._token_str.get(token_id)
+        if s is None:
+            s = self.engine.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_str) < 1 << 17:
+                self._token_str[token_id] = s
+        return s
+
+    async def _submit(self, reqs: list[EngineRequest]) -> RequestGroup:
+        self._require_ready()
+        try:
+            return await self.engine.submit(reqs)
+        except AddRequestError as e:
+            where = f" (prompt[{e.index}])" if len(reqs) > 1 else ""
+            raise APIError(400, f"{e}{where}", param=_guess_param(str(e))) from e
+        except RuntimeError as e:
+            raise APIError(503, f"{e}; retry later") from e
+
+    @staticmethod
+    async def _collect(group: RequestGroup, acc: _Acc, raw: Request) -> bool:
+        """Drain the group into `acc`; False if the client disconnected (request aborted)."""
+        loop = asyncio.get_running_loop()
+        poll_at = loop.time() + DISCONNECT_POLL_S
+        try:
+            while not group.finished:
+                try:
+                    d = await asyncio.wait_for(group.next(), max(0.0, poll_at - loop.time()))
+                    acc.apply(d)
+                except TimeoutError:
+                    pass
+                if loop.time() >= poll_at:
+                    if await raw.is_disconnected():
+                        return False
+                    poll_at = loop.time() + DISCONNECT_POLL_S
+            return True
+        finally:
+            group.abort()
+
+    def _logprobs_completion(self, ch: _Choice, offset0: int) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = offset0
+        for tid, lp in zip(ch.token_ids, ch.logprobs):
+            s = self.token_str(tid)
+            tokens.append(s)
+            token_lps.append(lp.get(tid))
+            tops.append({self.token_str(t): v
+                         for t, v in sorted(lp.items(), key=lambda kv: -kv[1])})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _logprobs_chat(self, token_ids, logprobs, top_k: int) -> dict[str, Any]:
+        content = []
+        for tid, lp in zip(token_ids, logprobs):
+            s = self.token_str(tid)
+            top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_k]
+            content.append({
+                "token": s, "logprob": lp.get(tid), "bytes": list(s.encode()),
+                "top_logprobs": [{"token": self.token_str(t), "logprob": v,
+                                  "bytes": list(self.token_str(t).encode())} for t, v in top]})
+        return {"content": content}
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self._require_ready()
+        params = completion_params(req, served_model_names=self.model_names,
+                                   max_logprobs=self.max_logprobs)
+        prompts = normalize_prompts(req.prompt)
+        check_num_choices(len(prompts), req.n)
+        base = f"cmpl-{uuid.uuid4().hex}"
+        reqs = [EngineRequest(f"{base}-{i}", p, params, priority=req.priority)
+                for i, p in enumerate(prompts)]
+        group = await self._submit(reqs)
+        acc = _Acc(group, req.n)
+        echo = ([p if isinstance(p, str) else self.engine.engine.tokenizer.decode(p)
+                 for p in prompts] if req.echo else None)
+        head = {"id": base, "object": "text_completion", "created": int(time.time()),
+                "model": req.model or self.model_names[0]}
+        if req.stream:
+            return StreamingResponse(self._stream_completion(group, acc, req, head, echo),
+                                     media_type="text/event-stream")
+        if not await self._collect(group, acc, raw):
+            return Response(status_code=499)
+        choices = []
+        for i, ch in enumerate(acc.choices):
+            prefix = echo[i // req.n] if echo else ""
+            choices.append({
+                "index": i, "text": prefix + "".join(ch.text),
+                "logprobs": (self._logprobs_completion(ch, len(prefix))
+                             if params.logprobs is not None else None),
+                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+        return JSONResponse({**head, "choices": choices, "usage": acc.usage()})
+
+    async def _stream_completion(self, group, acc: _Acc, req: CompletionRequest, head: dict,
+                                 echo: list[str] | None) -> AsyncIterator[str]:
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+
+        def chunk(idx: int, text: str, finish: str | None, logprobs=None, stop_reason=None):
+            c = {**head, "choices": [{"index": idx, "text": text, "logprobs": logprobs,
+                                      "finish_reason": finish, "stop_reason": stop_reason}]}
+            if include_usage:
+                c["usage"] = acc.usage() if continuous else None
+            return _sse(c)
+
+        try:
+            if echo:
+                for i in range(len(acc.choices)):
+                    yield chunk(i, echo[i // req.n], None)
+            async for d in group:
+                for idx, c in acc.apply(d):
+                    if not (c.text or c.token_ids or c.finish_reason):
+                        continue
+                    lp = None
+                    if c.logprobs is not None:
+                        tmp = _Choice(token_ids=list(c.token_ids), logprobs=list(c.logprobs))
+                        lp = self._logprobs_completion(tmp, 0)
+                    yield chunk(idx, c.text, c.finish_reason, lp, c.stop_reason)
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": acc.usage()})
+        except APIError as e:
+            yield _sse(e.to_dict())
+        finally:
+            group.abort()
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ chat
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self._require_ready()
+        params = chat_params(req, served_model_names=self.model_names,
+                             max_logprobs=self.max_logprobs)
+        messages = chat_messages(req)
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        group = await self._submit([EngineRequest(base, None, params, messages=messages,
+                                                  priority=req.priority)])
+        acc = _Acc(group, req.n)
+        head = {"id": base, "object": "chat.completion", "created": int(time.time()),
+                "model": req.model or self.model_names[0]}
+        top_k = req.top_logprobs or 0
+        if req.stream:
+            return StreamingResponse(self._stream_chat(group, acc, req, head, top_k),
+                                     media_type="text/event-stream")
+        if not await self._collect(group, acc, raw):
+            return Response(status_code=499)
+        choices = [{
+            "index": i, "message": {"role": "assistant", "content": "".join(ch.text)},
+            "logprobs": (self._logprobs_chat(ch.token_ids, ch.logprobs, top_k)
+                         if req.logprobs else None),
+            "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+            for i, ch in enumerate(acc.choices)]
+        return JSONResponse({**head, "choices": choices, "usage": acc.usage()})
+
+    async def _stream_chat(self, group, acc: _Acc, req: ChatCompletionRequest, head: dict,
+                           top_k: int) -> AsyncIterator[str]:
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        head = {**head, "object": "chat.completion.chunk"}
+
+        def chunk(idx: int, delta: dict, finish: str | None, logprobs=None):
+            c = {**head, "choices": [{"index": idx, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": finish}]}
+            if include_usage:
+                c["usage"] = acc.usage() if continuous else None
+            return _sse(c)
+
+        try:
+            for i in range(len(acc.choices)):
+                yield chunk(i, {"role": "assistant", "content": ""}, None)
+            async for d in group:
+                for idx, c in acc.apply(d):
+                    if not (c.text or c.token_ids or c.finish_reason):
+                        continue
+                    lp = None
+                    if req.logprobs and c.logprobs is not None:
+                        lp = self._logprobs_chat(c.token_ids, c.logprobs, top_k)
+                    delta = {"content": c.text} if c.text else {}
+                    yield chunk(idx, delta, c.finish_reason, lp)
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": acc.usage()})
+        except APIError as e:
+            yield _sse(e.to_dict())
+        finally:
+            group.abort()
+        yield "data: [DONE]\n\n"

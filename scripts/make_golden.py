@@ -1,0 +1,336 @@
+"""Write the HF golden fixtures under tests/fixtures/ (run by scripts/make_fixtures.sh).
+
+Runs in a separate Python 3.11 venv with torch + transformers; imports nothing
+from jaxserve, so every number here comes from an independent implementation
+(HF transformers' LlamaForCausalLM, float32, eager attention, CPU).
+
+Writes:
+  tiny_<variant>/   HF dir (config.json, model.safetensors or shards + index,
+                    tokenizer.json, tokenizer_config.json) and logits.npz
+                    (ids_<j> i32[T], logits_<j> f32[T, V]) for a few sequences.
+  tiny_gguf/        the same kind of model as GGUF (F32 and Q8_0, Q/K rows
+                    permuted as llama.cpp's convert_hf_to_gguf does) with
+                    logits_<type>.npz computed by transformers from the GGUF.
+  smollm2/          tokenizer_golden.json and greedy_golden.json for the real
+                    SmolLM2-135M-Instruct Q4_1 GGUF, loaded by transformers
+                    (gguf_file=..., which dequantizes to float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+          " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# Tiny configs with mutually distinct sizes, so a transposed axis fails loudly.
+VARIANTS = {
+    "untied": dict(vocab_size=67, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                   num_attention_heads=6, num_key_value_heads=2, head_dim=12,
+                   tie_word_embeddings=False, rope_theta=10000.0),
+    "tied_sharded": dict(vocab_size=71, hidden_size=40, intermediate_size=56, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=10,
+                         tie_word_embeddings=True, rope_theta=50000.0),
+    "llama3_rope": dict(vocab_size=67, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                        num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                        tie_word_embeddings=False, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+}
+# GGUF variant: every matrix row length (E=64, H*D=96, F=160) is a multiple of
+# the Q8_0 block (32), as llama.cpp requires to quantize a tensor.
+GGUF_VARIANT = dict(vocab_size=67, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                    tie_word_embeddings=False, rope_theta=10000.0)
+SEQ_LENS = (5, 9, 13)
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny byte-level BPE vocabulary (specials + characters + merges), exactly n tokens
+# ---------------------------------------------------------------------------------------------
+
+def tiny_vocab(n: int) -> tuple[list[str], list[str]]:
+    chars = list("abcdefghijklmnopqrstuvwxyz") + ["Ġ", "Ċ"] + list("0123456789") + list(".,!?")
+    tokens = SPECIALS + chars
+    merges = []
+    for a, b in [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"),
+                 ("Ġ", "s"), ("r", "e"), ("a", "t"), ("e", "n"), ("Ġ", "w"), ("o", "r"), ("i", "s"),
+                 ("Ġ", "c"), ("Ġ", "h"), ("e", "d"), ("a", "n"), ("Ġ", "b"), ("Ġ", "i"), ("Ġ", "o"),
+                 ("e", "s"), ("Ġ", "m"), ("a", "r"), ("a", "l"), ("l", "e"), ("i", "t"), ("Ġ", "f"),
+                 ("Ġ", "p"), ("Ġ", "d"), ("o", "u"), ("in", "g"), ("l", "l")]:
+        if len(tokens) >= n:
+            break
+        tokens.append(a + b)
+        merges.append(f"{a} {b}")
+    assert len(tokens) == n, (len(tokens), n)
+    return tokens, merges
+
+
+def tiny_tokenizer(n: int) -> Tokenizer:
+    tokens, merges = tiny_vocab(n)
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)},
+                               [tuple(m.split(" ")) for m in merges]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny HF models
+# ---------------------------------------------------------------------------------------------
+
+def tiny_model(kw: dict, seed: int) -> LlamaForCausalLM:
+    cfg = LlamaConfig(max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                      attn_implementation="eager", **kw)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # not all-ones: a swapped norm must show
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.2 * torch.randn_like(p))
+    return model
+
+
+def logits_for(model, vocab: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for j, T in enumerate(SEQ_LENS):
+        ids = rng.integers(0, vocab, size=T).astype(np.int32)
+        with torch.no_grad():
+            logits = model(torch.from_numpy(ids.astype(np.int64))[None]).logits[0]
+        out[f"ids_{j}"] = ids
+        out[f"logits_{j}"] = logits.float().numpy()
+    return out
+
+
+def write_tiny_hf(out: Path) -> None:
+    for k, (name, kw) in enumerate(VARIANTS.items()):
+        d = out / f"tiny_{name}"
+        shutil.rmtree(d, ignore_errors=True)
+        model = tiny_model(kw, seed=100 + k)
+        shard = "40KB" if "sharded" in name else "50MB"
+        model.save_pretrained(d, safe_serialization=True, max_shard_size=shard)
+        tiny_tokenizer(kw["vocab_size"]).save(str(d / "tokenizer.json"))
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML}, indent=1))
+        np.savez(d / "logits.npz", **logits_for(model, kw["vocab_size"], seed=7 + k))
+        print(f"wrote {d}: {sorted(p.name for p in d.iterdir())}")
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny GGUF (F32 and Q8_0)
+# ---------------------------------------------------------------------------------------------
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF rotate_half rows -> GGML pair rows."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def gguf_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    _, _, i, *rest = hf.split(".")
+    sub = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn_q",
+           "self_attn.k_proj.weight": "attn_k", "self_attn.v_proj.weight": "attn_v",
+           "self_attn.o_proj.weight": "attn_output", "post_attention_layernorm.weight": "ffn_norm",
+           "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up",
+           "mlp.down_proj.weight": "ffn_down"}[".".join(rest)]
+    return f"blk.{i}.{sub}.weight"
+
+
+def write_gguf(model: LlamaForCausalLM, path: Path, qtype: gguf.GGMLQuantizationType) -> None:
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("jaxserve-tiny")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_theta if hasattr(c, "rope_theta") else c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == gguf.GGMLQuantizationType.Q8_0
+                    else gguf.LlamaFileType.ALL_F32)
+    tokens, merges = tiny_vocab(c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHATML)
+    for name, p in model.state_dict().items():
+        a = p.float().numpy()
+        if name.endswith("q_proj.weight"):
+            a = llama_cpp_permute(a, c.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            a = llama_cpp_permute(a, c.num_key_value_heads)
+        if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            q = gguf.quants.quantize(a, qtype)
+            w.add_tensor(gguf_name(name), q, raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_tiny_gguf(out: Path) -> None:
+    d = out / "tiny_gguf"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    model = tiny_model(GGUF_VARIANT, seed=200)
+    how = {}
+    for qname in ("F32", "Q8_0"):
+        qtype = gguf.GGMLQuantizationType[qname]
+        fname = f"tiny-{qname.lower()}.gguf"
+        write_gguf(model, d / fname, qtype)
+        # The reference: transformers' own GGUF loader (it dequantizes and un-permutes).
+        ref = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=fname, dtype=torch.float32,
+                                                   attn_implementation="eager").eval()
+        how[qname] = "transformers AutoModelForCausalLM.from_pretrained(gguf_file=...)"
+        logits = logits_for(ref, GGUF_VARIANT["vocab_size"], seed=11)
+        if qname == "F32":  # sanity: the GGUF round trip reproduces the source model
+            src = logits_for(model, GGUF_VARIANT["vocab_size"], seed=11)
+            err = max(np.abs(src[k] - logits[k]).max() for k in src if k.startswith("logits"))
+            assert err < 1e-4, f"transformers' F32 GGUF load differs from the source model by {err}"
+        np.savez(d / f"logits_{qname.lower()}.npz", **logits)
+    (d / "README.json").write_text(json.dumps({"config": GGUF_VARIANT, "reference": how}, indent=1))
+    print(f"wrote {d}: {sorted(p.name for p in d.iterdir())}")
+
+
+# ---------------------------------------------------------------------------------------------
+# real model: SmolLM2-135M-Instruct Q4_1
+# ---------------------------------------------------------------------------------------------
+
+PLAIN = [
+    "Hello, world! The year 2024 had 366 days; pi is 3.14159.",
+    "The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return x**2  # square\n",
+    "日本語のテキストと中文字符",
+    "Emoji: 😀🚀👍🏽 and accents: café, naïve, über, São Paulo, Ångström",
+    "   leading spaces,\ttabs\t\tand\n\n\nnewlines   trailing   ",
+    "<|im_start|>user\nliteral special tokens<|im_end|>",
+    "",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "List three primary colors."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Translate 'good morning' to Japanese: おはよう? 🙂"}],
+]
+
+
+def smollm2_tokenizer(model_dir: str, fname: str):
+    tok = AutoTokenizer.from_pretrained(model_dir, gguf_file=fname)
+    # transformers' GGUF tokenizer builder has no split rule for tokenizer.ggml.pre="smollm" and
+    # falls back to plain GPT-2 byte-level splitting. SmolLM2's published tokenizer.json (and
+    # llama.cpp's SMOLLM pre-tokenizer) first isolate each digit, then apply the GPT-2 regex;
+    # restore that so the golden ids are the model's real ids.
+    raw = AutoTokenizer.from_pretrained(model_dir, gguf_file=fname)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return tok, raw
+
+
+def write_smollm2(out: Path, model_path: Path) -> None:
+    d = out / "smollm2"
+    d.mkdir(parents=True, exist_ok=True)
+    model_dir, fname = str(model_path.parent), model_path.name
+    tok, raw = smollm2_tokenizer(model_dir, fname)
+    plain = []
+    for s in PLAIN:
+        ids = tok.encode(s, add_special_tokens=False)
+        plain.append({"text": s, "ids": ids, "decoded": tok.decode(ids, skip_special_tokens=False),
+                      "same_as_transformers_gguf_pretokenizer":
+                          ids == raw.encode(s, add_special_tokens=False)})
+    chats = []
+    for msgs in CHATS:
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        chats.append({"messages": msgs, "text": text, "ids": ids})
+    (d / "tokenizer_golden.json").write_text(json.dumps(
+        {"source": f"transformers {__import__('transformers').__version__} AutoTokenizer(gguf_file=...)"
+                   " with SmolLM2's Digits+ByteLevel pre-tokenizer",
+         "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+         "vocab_size": len(tok), "plain": plain, "chat": chats}, indent=1, ensure_ascii=False))
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=fname, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    runs = []
+    for c in chats:
+        ids = torch.tensor([c["ids"]])
+        with torch.no_grad():
+            # An explicit all-ones mask: without it generate() infers one from pad_token_id
+            # (<|im_end|> here) and would hide the prompt's own <|im_end|> tokens.
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                 do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=tok.eos_token_id,
+                                 eos_token_id=None)
+            first = model(ids).logits[0, -1]
+        new = gen.sequences[0, ids.shape[1]:].tolist()
+        # Self-check: the cached decode agrees with one teacher-forced forward pass.
+        with torch.no_grad():
+            forced = model(gen.sequences[:, :-1]).logits[0, ids.shape[1] - 1:]
+        drift = float((forced - torch.stack([x[0] for x in gen.logits])).abs().max())
+        assert drift < 1e-3, f"generate() logits differ from a plain forward by {drift}"
+        gaps = []
+        for step in gen.logits:
+            top2 = torch.topk(step[0].float(), 2).values
+            gaps.append(float(top2[0] - top2[1]))
+        top = torch.topk(first.float(), 20)
+        runs.append({"prompt_ids": c["ids"], "greedy_ids": new,
+                     "greedy_text": tok.decode(new, skip_special_tokens=False),
+                     "top2_logit_gap": gaps,
+                     "prompt_last_top20": {"ids": top.indices.tolist(), "logits": top.values.tolist()}})
+    (d / "greedy_golden.json").write_text(json.dumps(
+        {"source": f"transformers {__import__('transformers').__version__} LlamaForCausalLM from "
+                   f"{fname} (gguf_file=, dequantized to float32), eager attention, greedy, "
+                   "eos not stopping (eos_token_id=None)",
+         "max_new_tokens": 32, "runs": runs}, indent=1, ensure_ascii=False))
+    print(f"wrote {d}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tests/fixtures")
+    ap.add_argument("--model", default="checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--only", choices=["tiny", "gguf", "smollm2"], default=None)
+    a = ap.parse_args()
+    out = Path(a.out)
+    torch.set_num_threads(2)
+    if a.only in (None, "tiny"):
+        write_tiny_hf(out)
+    if a.only in (None, "gguf"):
+        write_tiny_gguf(out)
+    if a.only in (None, "smollm2"):
+        write_smollm2(out, Path(a.model))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""IncrementalDetokenizer tests with a real byte-level BPE (HF `tokenizers`), trained here.
+
+The tiny vocab (256 bytes + a few merges) guarantees that CJK characters and emoji are
+split across tokens, so the U+FFFD hold-back is exercised on real byte-level decoding.
+"""
+
+import random
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.sampling_params import SamplingParams
+
+CORPUS = [
+    "hello world. the quick brown fox jumps over the lazy dog.",
+    "STOP here and never after; stop words stop nothing",
+    "你好，世界！今天天气很好。我们去公园散步吧。",
+    "emoji: 😀🎉👍🏽 and a family 👨‍👩‍👧 here",
+    "naïve café über straße — ☃ ∑ ∞",
+]
+END = "<|end|>"
+
+
+class BpeTokenizer:
+    """Thin wrapper giving the duck-typed interface the detokenizer relies on."""
+
+    def __init__(self, backend: Tokenizer):
+        self._tok = backend
+        self.decoded_ids = 0  # total ids decoded, to check per-step cost
+
+    def encode(self, text):
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded_ids += len(ids)
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self._tok.id_to_token(i) for i in ids]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[END],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator(CORPUS, trainer=trainer)
+    return BpeTokenizer(t)
+
+
+def _run(tok, ids, params=None, prompt=(), chunks=None, finish=True):
+    """Feed ids (one per update, or in given chunk sizes); return (deltas, detok, updates)."""
+    d = IncrementalDetokenizer(tok, list(prompt), params or SamplingParams())
+    sizes = chunks or [1] * len(ids)
+    deltas, updates, i = [], [], 0
+    for k, n in enumerate(sizes):
+        last = finish and k == len(sizes) - 1
+        u = d.update(ids[i:i + n], finished=last)
+        i += n
+        deltas.append(u.delta_text)
+        updates.append(u)
+        if u.stop_string is not None:
+            break
+    return deltas, d, updates
+
+
+TEXTS = CORPUS + ["混合 text 和 😀 emoji 在 一起 🎉!", "👨‍👩‍👧👨‍👩‍👧 ∞∞ 好好"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_token_at_a_time_matches_full_decode(tok, text):
+    ids = tok.encode(text)
+    deltas, d, _ = _run(tok, ids)
+    assert "".join(deltas) == d.output_text == tok.decode(ids) == text
+    assert not any("\ufffd" in x for x in deltas)
+
+
+def test_multibyte_chars_really_split(tok):
+    ids = tok.encode("你好😀👍🏽")
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # the test above is meaningful
+
+
+def _char_boundaries(tok, ids):
+    """Token indices i where ids[:i] / ids[i:] do not split a character."""
+    return [i for i in range(1, len(ids)) if "\ufffd" not in tok.decode(ids[i - 1:i + 1])
+            and not tok.decode(ids[:i]).endswith("\ufffd")
+            and not tok.decode(ids[i:]).startswith("\ufffd")]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_chunking_and_prompt_context(tok, seed):
+    rng = random.Random(seed)
+    text = " ".join(rng.sample(TEXTS, 4))
+    ids = tok.encode(text)
+    cut = rng.choice(_char_boundaries(tok, ids))
+    prompt, out = ids[:cut], ids[cut:]
+    sizes = []
+    while sum(sizes) < len(out):
+        sizes.append(min(rng.randint(1, 5), len(out) - sum(sizes)))
+    deltas, d, _ = _run(tok, out, prompt=prompt, chunks=sizes)
+    assert "".join(deltas) == d.output_text == tok.decode(out)
+    assert not any("\ufffd" in x for x in deltas)
+
+
+def test_prompt_ending_mid_character(tok):
+    ids = tok.encode("ab 你好 cd")
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    prompt, out = ids[:cut], ids[cut:]
+    deltas, d, _ = _run(tok, out, prompt=prompt)
+    # The split character is attributed to the prompt; no replacement char is streamed.
+    assert "".join(deltas) == tok.decode(ids)[len(tok.decode(prompt)):]
+    assert not any("\ufffd" in x for x in deltas)
+
+
+def test_stop_string_spanning_tokens_excluded_and_included(tok):
+    text = "hello world. STOP here and never after"
+    ids = tok.encode(text)
+    # The stop string is spread over several tokens.
+    toks = [tok.decode([i]) for i in ids]
+    assert not any("STOP" in t for t in toks)
+    deltas, d, ups = _run(tok, ids, SamplingParams(stop=["STOP"]))
+    assert d.output_text == "".join(deltas) == "hello world. "
+    assert ups[-1].stop_string == "STOP" and ups[-1].finished and d.finished
+    assert len(ups) < len(ids)  # finished as soon as the stop string completed
+
+    deltas, d, ups = _run(tok, ids, SamplingParams(stop=["STOP"], include_stop_str_in_output=True))
+    assert d.output_text == "".join(deltas) == "hello world. STOP"
+    assert ups[-1].stop_string == "STOP"
+
+
+def test_text_after_stop_in_same_chunk_never_emitted(tok):
+    ids = tok.encode("abc STOP after text")
+    deltas, d, ups = _run(tok, ids, SamplingParams(stop=["STOP", "after"]), chunks=[len(ids)],
+                          finish=False)
+    assert deltas == ["abc "] and ups[0].stop_string == "STOP"
+    with pytest.raises(ValueError, match="after the request finished"):
+        d.update(ids[:1], finished=False)
+    assert d.update([], finished=True).delta_text == ""
+
+
+def test_cjk_stop_string_and_earliest_match(tok):
+    text = "你好，世界！今天天气很好。"
+    ids = tok.encode(text)
+    deltas, d, ups = _run(tok, ids, SamplingParams(stop=["天气", "世界"]))
+    assert d.output_text == "".join(deltas) == "你好，"
+    assert ups[-1].stop_string == "世界"
+    assert not any("\ufffd" in x for x in deltas)
+
+
+def test_holdback_of_possible_stop_prefix_and_flush_on_finish(tok):
+    ids = tok.encode("the lazy dog sto")
+    params = SamplingParams(stop=["stop words"])
+    deltas, d, _ = _run(tok, ids, params, finish=False)
+    # "sto" could start the stop string: held back while running ...
+    assert d.output_text == "".join(deltas) == "the lazy dog "
+    # ... and flushed when the request ends for another reason (EOS, max_tokens).
+    u = d.update([], finished=True)
+    assert u.delta_text == "sto" and u.stop_string is None and u.finished
+    assert d.output_text == "the lazy dog sto"
+
+
+def test_held_back_prefix_released_when_it_diverges(tok):
+    ids = tok.encode("the stop nothing")
+    deltas, d, ups = _run(tok, ids, SamplingParams(stop=["stop words"]), finish=False)
+    assert ups[-1].stop_string is None
+    assert "".join(deltas) == d.output_text == "the stop nothing"
+
+
+def test_special_tokens_skipped_or_kept(tok):
+    end = tok._tok.token_to_id(END)
+    ids = tok.encode("hello") + [end] + tok.encode(" world")
+    deltas, d, _ = _run(tok, ids)
+    assert "".join(deltas) == "hello world"
+    deltas, d, _ = _run(tok, ids, SamplingParams(skip_special_tokens=False))
+    assert "".join(deltas) == d.output_text == tok.decode(ids, skip_special_tokens=False)
+    assert END in d.output_text
+
+
+def test_incomplete_char_at_finish_and_invalid_bytes(tok):
+    ids = tok.encode("ab😀")
+    # Finish in the middle of the emoji: the flush matches what decode() gives.
+    part = ids[:-1]
+    deltas, d, _ = _run(tok, part)
+    assert "".join(deltas) == tok.decode(part) and d.output_text.endswith("\ufffd")
+    # A genuinely invalid byte followed by text: emitted eventually, window stays bounded.
+    lone = tok.encode("😀")[-1]  # a continuation byte on its own
+    ids = tok.encode("x") + [lone] + tok.encode(" hello world the quick brown fox")
+    deltas, d, _ = _run(tok, ids, finish=False)
+    assert "".join(deltas).startswith("x\ufffd hello")
+    d.update([], finished=True)
+    assert d.output_text == tok.decode(ids)
+
+
+def test_cost_per_step_is_bounded(tok):
+    ids = tok.encode(" ".join(TEXTS)) * 40  # a few thousand tokens
+    tok.decoded_ids = 0
+    deltas, d, _ = _run(tok, ids)
+    assert "".join(deltas) == tok.decode(ids)
+    tok.decoded_ids = 0
+    _run(tok, ids)
+    assert tok.decoded_ids <= 30 * len(ids)  # O(n), not O(n^2)
+
+
+GGUF = Path(__file__).resolve().parents[1] / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.skipif(not GGUF.is_file(), reason="SmolLM2 GGUF not downloaded")
+@pytest.mark.slow
+def test_real_smollm2_tokenizer():
+    from jaxserve.checkpoint.gguf_loader import read_gguf_header
+
+    _, _, real = read_gguf_header(GGUF)
+    text = "Hello 世界! 😀👍🏽 naïve café — 今天天气很好。 The end."
+    ids = real.encode(text)
+    deltas, d, _ = _run(real, ids)
+    assert "".join(deltas) == d.output_text == real.decode(ids) == text
+    assert not any("\ufffd" in x for x in deltas)
+    deltas, d, ups = _run(real, ids, SamplingParams(stop=["天气"]))
+    assert d.output_text == "Hello 世界! 😀👍🏽 naïve café — 今天" and ups[-1].stop_string == "天气"
