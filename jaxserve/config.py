@@ -239,6 +239,10 @@ class EngineConfig:
     attention_backend: Literal["auto", "xla", "pallas"] = "auto"
     seed: int = 0
     max_logprobs: int = 20
+    # Unroll the decoder layers in the jitted step (per-layer weight buffers) instead of a
+    # lax.scan over stacked weights: XLA:CPU copies each layer's weight slice out of the
+    # stack under the scan. Faster steps, longer compiles (notes/perf.md).
+    unroll_layers: bool = True
 
     def __post_init__(self):
         _require(self.attention_backend in ("auto", "xla", "pallas"),

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.model_runner import ModelRunner, SampledToken, describe_capacity, resolve_num_kv_blocks
+from jaxserve.model_runner import CompileCounter, ModelRunner, SampledToken, describe_capacity, resolve_num_kv_blocks
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
@@ -319,10 +319,13 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
-            "bucket_stats": self.bucket_policy.stats(),
+            # {T_pad: {"steps", "real_tokens", "padded_tokens", "padding_fraction"}}
+            "bucket_stats": self.bucket_policy.stats()["token_buckets"],
             "num_steps": self.runner.num_steps,
             "warmup_programs": self.runner.warmup_programs,
             "warmup_seconds": self.runner.warmup_seconds,
             "num_compiles_after_warmup": self.runner.num_compiles_after_warmup,
+            "num_compiles": CompileCounter.count,  # process-wide XLA compilations
+            "compile_seconds": CompileCounter.seconds,
             "last_step_tokens": self.last_step_tokens,
         }

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model import attention
-from jaxserve.model.llama import forward_paged
+from jaxserve.model.llama import forward_paged, unstack_layers
 from jaxserve.request import Request
 from jaxserve.sampler import SamplingRow, make_sampling_metadata, sample
 from jaxserve.scheduler.batch import build_batch
@@ -148,6 +148,8 @@ class ModelRunner:
         backend = config.attention_backend
         self.backend = attention.default_backend() if backend == "auto" else backend
         dt = jnp.dtype(self.cfg.dtype)
+        if config.unroll_layers:
+            params = unstack_layers(params)  # host-side views when params are NumPy
         self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, dt), params))
         shape = (self.cfg.num_hidden_layers, num_kv_blocks, self.block_size,
                  self.cfg.num_key_value_heads, self.cfg.head_dim)

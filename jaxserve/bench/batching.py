@@ -107,6 +107,8 @@ def compare_modes(rows: Sequence[TraceRequest], batch: int, runner: Runner,
         s = r.summary()
         s["bench_wall_s"] = time.perf_counter() - t0
         table[mode] = s
+        print(f"[bench batching] {mode}: {s['steps']} steps, {s['output_tokens_per_s']:.1f} tok/s "
+              f"({s['bench_wall_s']:.0f} s incl. engine build)", flush=True)
     for mode, s in table.items():
         for ref in ("serial", "static"):
             if ref in table and table[ref]["output_tokens_per_s"] > 0:
@@ -146,6 +148,7 @@ def sweep(runner: Runner, *, num_requests: int = 256, max_tokens: int = 16,
         n = min(num_requests, max(min_requests, 4 * b))
         s = runner(rows[:n], "continuous", b).summary()
         s.update(max_num_seqs=b, requests=n)
+        print(f"[bench batching] sweep max_num_seqs={b}: {s['output_tokens_per_s']:.1f} tok/s", flush=True)
         out.append(s)
     return out
 

@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_model_len", type=int, default=2048)
     p.add_argument("--block_size", type=int, default=16)
     p.add_argument("--num_kv_blocks", type=int, default=2048)
+    p.add_argument("--min_token_bucket", type=int, default=8,
+                   help="fit:K buckets start here (a smaller step is no cheaper on a CPU)")
     p.add_argument("--ignore_arrivals", action="store_true", help="all requests at t=0")
     p.add_argument("--dry_run", action="store_true", help="fake runner, no model (seconds)")
     p.add_argument("--step_cost_ms", default=None, help="dry-run cost model FIXED,PER_TOKEN[,PER_SEQ]")
@@ -296,8 +298,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cost = StepCost.parse(args.step_cost_ms) if args.step_cost_ms else StepCost()
     respect = not args.ignore_arrivals
     th, sh = fit_histograms(rows, ids, sched, cache, cost, respect)
+    # Fit on counts raised to --min_token_bucket: below it a step costs no less on this
+    # CPU (StepCost.knee_tokens), so a smaller bucket would only add a program.
+    th_fit: dict[int, int] = {}
+    for n, c in th.items():
+        m = min(max(n, args.min_token_bucket), args.max_num_batched_tokens)
+        th_fit[m] = th_fit.get(m, 0) + c
     cands = build_candidates(args.policies, args.explicit, max_tokens=args.max_num_batched_tokens,
-                             max_seqs=args.max_num_seqs, token_hist=th, seq_hist=sh)
+                             max_seqs=args.max_num_seqs, token_hist=th_fit, seq_hist=sh)
     compile_s = tuple(float(x) for x in args.compile_s.split(","))
     if args.dry_run:
         results = [evaluate_dry(c, rows, ids, sched, cache, cost, respect, compile_s) for c in cands]

@@ -24,6 +24,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from jaxserve.bench.traces import (CHAT_OVERHEAD_TOKENS, TraceRequest, approx_prompt_tokens,
                                    percentiles)
 from jaxserve.config import CacheConfig, SchedulerConfig
@@ -37,35 +39,42 @@ FAKE_TOKEN = 5  # what the fake runner samples; runs ignore EOS, so any id works
 
 @dataclass(frozen=True)
 class StepCost:
-    """Modeled seconds of one step: fixed_ms + per_token_ms * T_pad + per_seq_ms * S_pad.
+    """Modeled seconds of one step:
+    fixed_ms + per_token_ms * max(T_pad, knee_tokens) + per_seq_ms * S_pad.
 
     The defaults are a linear fit of BASELINES.md's XLA probe of SmolLM2-135M
     fp32 on the 2-core CPU (27.1 ms at 8 rows, 36.5 at 16, 75.3 at 64:
     ~20 ms + 0.86 ms per token) with the LM head's share (~20% of a row's
-    FLOPs) moved to the per-sequence term. Recalibrate with measured steps
-    (`--step_cost_ms`); a model, never a measurement.
+    FLOPs) moved to the per-sequence term. The knee: the same probe found a
+    1-row step (34.4 ms, XLA's matrix-vector path) no cheaper than an 8-row
+    one, so token buckets below 8 save nothing on this CPU. Recalibrate with
+    measured steps (`--step_cost_ms`); a model, never a measurement.
     """
 
     fixed_ms: float = 20.0
     per_token_ms: float = 0.69
     per_seq_ms: float = 0.17
+    knee_tokens: int = 8
 
     def seconds(self, t_pad: int, s_pad: int) -> float:
-        return (self.fixed_ms + self.per_token_ms * t_pad + self.per_seq_ms * s_pad) / 1e3
+        t = max(t_pad, self.knee_tokens)
+        return (self.fixed_ms + self.per_token_ms * t + self.per_seq_ms * s_pad) / 1e3
 
     @classmethod
     def parse(cls, text: str) -> "StepCost":
-        """'FIXED,PER_TOKEN[,PER_SEQ]' in milliseconds.
+        """'FIXED,PER_TOKEN[,PER_SEQ[,KNEE]]' in milliseconds (KNEE in tokens).
 
         Raises:
-          ValueError: not 2-3 comma-separated non-negative numbers.
+          ValueError: not 2-4 comma-separated non-negative numbers.
         """
         try:
             vals = [float(x) for x in text.split(",")]
         except ValueError:
-            raise ValueError(f"step cost {text!r} must be FIXED_MS,PER_TOKEN_MS[,PER_SEQ_MS]") from None
-        if not 2 <= len(vals) <= 3 or any(v < 0 for v in vals):
-            raise ValueError(f"step cost {text!r} must be 2 or 3 non-negative numbers (ms)")
+            raise ValueError(f"step cost {text!r} must be FIXED_MS,PER_TOKEN_MS[,PER_SEQ_MS[,KNEE]]") from None
+        if not 2 <= len(vals) <= 4 or any(v < 0 for v in vals):
+            raise ValueError(f"step cost {text!r} must be 2 to 4 non-negative numbers")
+        if len(vals) == 4:
+            vals[3] = int(vals[3])
         return cls(*vals)
 
 
@@ -102,6 +111,7 @@ class ReplayResult:
     tpot: list[float] = field(default_factory=list)
     e2el: list[float] = field(default_factory=list)
     ttft_by_id: dict[str, float] = field(default_factory=dict)
+    step_times: list[tuple[int, int, float]] = field(default_factory=list)  # (T_pad, S_pad, s)
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready numbers (latencies in ms)."""
@@ -119,7 +129,31 @@ class ReplayResult:
             "ttft_ms": {k: v * 1e3 for k, v in percentiles(self.ttft, (50, 99)).items()},
             "tpot_ms": {k: v * 1e3 for k, v in percentiles(self.tpot, (50, 99)).items()},
             "e2el_ms": {k: v * 1e3 for k, v in percentiles(self.e2el, (50, 99)).items()},
+            "step_ms_by_shape": _by_shape(self.step_times),
         }
+
+
+def _by_shape(records: Sequence[tuple[int, int, float]]) -> dict[str, dict[str, float]]:
+    acc: dict[tuple[int, int], list[float]] = {}
+    for t, s, sec in records:
+        acc.setdefault((t, s), []).append(sec)
+    return {f"{t},{s}": {"steps": len(v), "median_ms": float(np.median(v)) * 1e3}
+            for (t, s), v in sorted(acc.items())}
+
+
+def fit_step_cost(records: Sequence[tuple[int, int, float]], knee_tokens: int = 8) -> StepCost:
+    """Least-squares StepCost from measured (T_pad, S_pad, seconds) steps.
+
+    Raises:
+      ValueError: fewer than 3 distinct shapes (the 3 coefficients are underdetermined).
+    """
+    shapes = {(t, s) for t, s, _ in records}
+    if len(shapes) < 3:
+        raise ValueError(f"fit_step_cost needs >= 3 distinct (T_pad, S_pad) shapes, got {sorted(shapes)}")
+    a = np.array([[1.0, max(t, knee_tokens), s] for t, s, _ in records])
+    y = np.array([sec * 1e3 for _, _, sec in records])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    return StepCost(*(max(0.0, float(c)) for c in coef), knee_tokens=knee_tokens)
 
 
 def prompt_ids_for(rows: Sequence[TraceRequest], tokenizer: Any | None, *, vocab_size: int,
@@ -266,6 +300,7 @@ def engine_run(engine: Any, rows: Sequence[TraceRequest], *, respect_arrivals: b
     pre0 = engine.scheduler.num_preemptions
     pending = deque(sorted(range(len(rows)), key=lambda i: rows[i].arrival_s if respect_arrivals else 0))
     outs: dict[str, Any] = {}
+    step_times: list[tuple[int, int, float]] = []
     t0 = time.monotonic()
     with observe_schedules(engine.scheduler, log):
         while pending or engine.has_unfinished_requests():
@@ -284,7 +319,12 @@ def engine_run(engine: Any, rows: Sequence[TraceRequest], *, respect_arrivals: b
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, rows[pending[0]].arrival_s - (time.monotonic() - t0)))
                 continue
-            for o in engine.step():
+            n_before = len(log)
+            ts = time.perf_counter()
+            step_outs = engine.step()
+            if len(log) > n_before:
+                step_times.append((log[-1].token_bucket, log[-1].seq_bucket, time.perf_counter() - ts))
+            for o in step_outs:
                 if o.finished:
                     outs[o.request_id] = o
     wall = time.monotonic() - t0
@@ -294,7 +334,8 @@ def engine_run(engine: Any, rows: Sequence[TraceRequest], *, respect_arrivals: b
     res = ReplayResult("engine", len(rows), sum(o.num_generated_tokens for o in outs.values()),
                        wall, len(log), policy.stats(), hist, row_steps, len(log) * width,
                        engine.scheduler.num_preemptions - pre0,
-                       real_seqs=sum(o.num_seqs for o in log), padded_seqs=sum(o.seq_bucket for o in log))
+                       real_seqs=sum(o.num_seqs for o in log), padded_seqs=sum(o.seq_bucket for o in log),
+                       step_times=step_times)
     for rid, o in outs.items():
         m = o.metrics
         if m.ttft is not None:

@@ -127,15 +127,38 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     return x, attn_carry
 
 
+def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
+    """The parameter tree with params["layers"] as a list of L per-layer dicts.
+
+    Same leaves, split on the [L] axis into separate arrays: `run_layers` then
+    unrolls the layers and every matmul reads its weight in place, instead of
+    the scan's per-layer dynamic-slice copy (measured in notes/perf.md).
+    """
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n = next(iter(layers.values())).shape[0]
+    return dict(params, layers=[{k: w[i] for k, w in layers.items()} for i in range(n)])
+
+
 def run_layers(cfg: ModelConfig, params: dict[str, Any], input_ids: jax.Array, positions: jax.Array,
                attn_fn: AttnFn, attn_carry: Any) -> tuple[jax.Array, Any]:
-    """Embed input_ids i32[T] and run all layers under a scan.
+    """Embed input_ids i32[T] and run all layers under a scan (or unrolled, when
+    params["layers"] is a list of per-layer dicts, see `unstack_layers`).
 
     Returns the final-normed hidden states [T, E] and the attention carry
     (the KV cache for the paged path).
     """
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][input_ids]  # [T, E]
+    if isinstance(params["layers"], (list, tuple)):
+        # Unstacked weights (see `unstack_layers`): a Python loop, each matmul reading its
+        # own weight buffer. Under the scan XLA:CPU copies every layer's weight slice out
+        # of the stacked array before its dot (the whole model, ~540 MB, every step).
+        ac = attn_carry
+        for i, lp in enumerate(params["layers"]):
+            x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, jnp.int32(i))
+        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), ac
     layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
 
     def body(carry, xs):

@@ -324,6 +324,8 @@ class AsyncEngine:
                 ids = self.engine.add_request(r.request_id, r.prompt, r.params,
                                               messages=r.messages, priority=r.priority)
             except Exception as e:  # noqa: BLE001 - reported to the caller
+                if not isinstance(e, ValueError):  # an engine gap, not a user error: log it
+                    logger.exception("add_request(%s) raised %s", r.request_id, type(e).__name__)
                 for rid in added:
                     self.engine.abort(rid)
                     self._in_flight.discard(rid)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from jaxserve.sampling_params import MAX_N, SamplingParams
 

@@ -89,6 +89,26 @@ def _guess_param(msg: str) -> str | None:
     return None
 
 
+class _GroupStream(StreamingResponse):
+    """SSE response that aborts its engine requests however the response ends.
+
+    The generator's own `finally` covers disconnects mid-stream; this covers a
+    client that leaves before the generator's first step (a never-started async
+    generator runs no `finally`).
+    """
+
+    def __init__(self, content, group: RequestGroup):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.group = group
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.group.abort()
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -195,14 +215,17 @@ class OpenAIServing:
         reqs = [EngineRequest(f"{base}-{i}", p, params, priority=req.priority)
                 for i, p in enumerate(prompts)]
         group = await self._submit(reqs)
+        try:
+            echo = ([p if isinstance(p, str) else self.engine.engine.tokenizer.decode(p)
+                     for p in prompts] if req.echo else None)
+        except BaseException:
+            group.abort()
+            raise
         acc = _Acc(group, req.n)
-        echo = ([p if isinstance(p, str) else self.engine.engine.tokenizer.decode(p)
-                 for p in prompts] if req.echo else None)
         head = {"id": base, "object": "text_completion", "created": int(time.time()),
                 "model": req.model or self.model_names[0]}
         if req.stream:
-            return StreamingResponse(self._stream_completion(group, acc, req, head, echo),
-                                     media_type="text/event-stream")
+            return _GroupStream(self._stream_completion(group, acc, req, head, echo), group)
         if not await self._collect(group, acc, raw):
             return Response(status_code=499)
         choices = []
@@ -263,8 +286,7 @@ class OpenAIServing:
                 "model": req.model or self.model_names[0]}
         top_k = req.top_logprobs or 0
         if req.stream:
-            return StreamingResponse(self._stream_chat(group, acc, req, head, top_k),
-                                     media_type="text/event-stream")
+            return _GroupStream(self._stream_chat(group, acc, req, head, top_k), group)
         if not await self._collect(group, acc, raw):
             return Response(status_code=499)
         choices = [{

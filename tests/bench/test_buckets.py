@@ -134,3 +134,14 @@ def test_bad_policy_names_the_entry():
         buckets.build_candidates("cubic:3", [], max_tokens=256, max_seqs=32)
     with pytest.raises(ValueError, match="last bucket"):
         buckets.build_candidates("", ["16,64"], max_tokens=256, max_seqs=32)
+
+
+def test_fit_step_cost_recovers_a_linear_model():
+    from jaxserve.bench.replay import fit_step_cost
+
+    truth = StepCost(fixed_ms=12.0, per_token_ms=0.5, per_seq_ms=0.25)
+    recs = [(t, s, truth.seconds(t, s)) for t, s in [(8, 1), (8, 8), (16, 4), (64, 8), (256, 32), (4, 2)]]
+    got = fit_step_cost(recs)
+    assert (got.fixed_ms, got.per_token_ms, got.per_seq_ms) == pytest.approx((12.0, 0.5, 0.25), abs=1e-6)
+    with pytest.raises(ValueError, match="distinct"):
+        fit_step_cost(recs[:2])

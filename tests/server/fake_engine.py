@@ -33,8 +33,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 

@@ -31,7 +31,7 @@ def make_engine(**cfg: Any):
     if ENGINE_KIND == "fake":
         step_delay = cfg.pop("step_delay", 0.001)
         return FakeEngine(fake_config(**cfg), step_delay=step_delay, model_name=MODEL)
-    from tests.conftest import tiny_engine
+    from conftest import tiny_engine  # the same module object pytest loaded: one engine cache
 
     cfg.pop("step_delay", None)
     args = dict(max_model_len=64, block_size=4, num_kv_blocks=257, max_num_seqs=16,

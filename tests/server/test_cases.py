@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from .helpers import MODEL, fake_only, healthy_probe, make_engine, metrics_values, \
+from .helpers import ENGINE_KIND, MODEL, fake_only, healthy_probe, make_engine, metrics_values, \
     running_server, wait_idle
 
 CMPL = "/v1/completions"
@@ -170,7 +170,8 @@ C19_CASES = {
     "chunked_prefill_max1": dict(prompt="abcd" * 16, max_tokens=1),
     "n3": dict(prompt="usage", max_tokens=20, n=3, ignore_eos=True),
     "stop_string": dict(prompt="a", max_tokens=20, stop=["fg"]),
-    "eos": dict(prompt=[250], max_tokens=20),
+    # FakeEngine reaches EOS (256) from 250 in 6 tokens; other engines just run this case.
+    "eos": dict(prompt=[250] if ENGINE_KIND == "fake" else [60], max_tokens=20),
     "length": dict(prompt="len", max_tokens=7, ignore_eos=True),
 }
 

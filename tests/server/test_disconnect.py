@@ -17,13 +17,13 @@ BUDGET = 16
 
 @pytest.fixture(scope="module")
 def srv():
-    with running_server(make_engine(max_model_len=1024, max_num_batched_tokens=BUDGET,
+    with running_server(make_engine(max_model_len=512, max_num_batched_tokens=BUDGET,
                                     max_num_seqs=8, num_kv_blocks=4097, step_delay=0.002)) as s:
         yield s
 
 
 def _body(**kw):
-    return {"model": MODEL, "temperature": 0, "ignore_eos": True, "max_tokens": 512,
+    return {"model": MODEL, "temperature": 0, "ignore_eos": True, "max_tokens": 384,
             "prompt": "long", **kw}
 
 
