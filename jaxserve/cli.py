@@ -35,6 +35,8 @@ flags.DEFINE_list("token_buckets", None, "Explicit token buckets (the last must 
 flags.DEFINE_list("seq_buckets", None, "Explicit sequence buckets (the last must equal max_num_seqs).")
 flags.DEFINE_enum("attention_backend", "auto", ["auto", "xla", "pallas"], "Attention implementation.")
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse KV blocks of shared prompt prefixes.")
+flags.DEFINE_bool("unroll_layers", True, "Unroll the decoder layers in each step program: faster "
+                  "steps on CPU, ~2.5x longer compiles (false: lax.scan over stacked weights).")
 flags.DEFINE_bool("static_batching", False, "Admit a batch and add nothing until all of it finishes.")
 flags.DEFINE_string("compile_cache_dir", "checkpoints/jax_compile_cache",
                     "Persistent JAX compilation cache ('' disables).")
@@ -71,6 +73,7 @@ def engine_args_from_flags() -> dict[str, Any]:
         bucket_policy=FLAGS.bucket_policy, bucket_gap=FLAGS.bucket_gap,
         attention_backend=FLAGS.attention_backend,
         enable_prefix_caching=FLAGS.enable_prefix_caching, static_batching=FLAGS.static_batching,
+        unroll_layers=FLAGS.unroll_layers,
         kv_cache_memory_bytes=FLAGS.kv_cache_memory_mb * 2**20)
     if FLAGS.num_kv_blocks is not None:
         args["num_kv_blocks"] = FLAGS.num_kv_blocks
@@ -132,12 +135,10 @@ def summarize(outputs, engine, wall: float) -> dict[str, Any]:
     ttft = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
     tpot = [o.metrics.tpot for o in outputs if o.metrics.tpot is not None]
     out_tokens = sum(o.num_generated_tokens for o in outputs)
-    buckets = {}
-    for b, s in sorted(stats["bucket_stats"].items()):
-        total = s["real_tokens"] + s["padded_tokens"]
-        buckets[b] = dict(s, padding_fraction=(s["padded_tokens"] / total) if total else 0.0)
+    # padded_tokens = T_pad * steps (every slot computed); padding = the slots beyond real tokens.
+    buckets = dict(sorted(stats["bucket_stats"].items()))
     real = sum(s["real_tokens"] for s in buckets.values())
-    pad = sum(s["padded_tokens"] for s in buckets.values())
+    slots = sum(s["padded_tokens"] for s in buckets.values())
     return {
         "requests": len(outputs), "output_tokens": out_tokens, "wall_s": wall,
         "output_tokens_per_s": out_tokens / wall if wall > 0 else float("nan"),
@@ -145,7 +146,7 @@ def summarize(outputs, engine, wall: float) -> dict[str, Any]:
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_mean_s": sum(tpot) / len(tpot) if tpot else float("nan"),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
-        "steps": stats["num_steps"], "padding_fraction": pad / (real + pad) if real + pad else 0.0,
+        "steps": stats["num_steps"], "padding_fraction": 1 - real / slots if slots else 0.0,
         "buckets": buckets, "preemptions": stats["num_preemptions"],
         "warmup_programs": stats["warmup_programs"], "warmup_s": stats["warmup_seconds"],
         "compiles_after_warmup": stats["num_compiles_after_warmup"],
@@ -163,9 +164,9 @@ def print_summary(s: dict[str, Any]) -> None:
     print(f"steps {s['steps']}  padding {100*s['padding_fraction']:.1f}%  preemptions "
           f"{s['preemptions']}  warm-up {s['warmup_programs']} programs in {s['warmup_s']:.1f} s  "
           f"compiles after warm-up {s['compiles_after_warmup']}")
-    print("bucket   steps  real_tokens  padded_tokens  padding")
+    print("bucket   steps  real_tokens  computed_slots  padding")
     for b, st in s["buckets"].items():
-        print(f"{b:>6} {st['steps']:>7} {st['real_tokens']:>12} {st['padded_tokens']:>14} "
+        print(f"{b:>6} {st['steps']:>7} {st['real_tokens']:>12} {st['padded_tokens']:>15} "
               f"{100*st['padding_fraction']:>7.1f}%")
 
 

@@ -200,13 +200,16 @@ class SchedulerConfig:
     bucket_policy: Literal["pow2", "pow2_linear"] = "pow2"
     bucket_gap: int = 64  # linear step for "pow2_linear"
     min_token_bucket: int = 8
+    # Sequence buckets only size the logits/sampler rows, which cost little next
+    # to a program compile (~13 s for SmolLM2 on CPU), so small ones are merged.
+    min_seq_bucket: int = 8
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     static_batching: bool = False  # admit a batch, add nothing until all of it finishes
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "bucket_gap",
-                     "min_token_bucket"):
+                     "min_token_bucket", "min_seq_bucket"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v > 0, f"SchedulerConfig.{name}={v!r} must be a positive int")
         _require(self.long_prefill_token_threshold >= 0,

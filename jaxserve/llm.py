@@ -39,6 +39,8 @@ class LLM:
       model: a .gguf file or an HF directory; None for the default SmolLM2
         model fetched by `make model`.
       dtype: "float32" or "bfloat16".
+      compile_cache_dir: JAX's persistent compilation cache (None: off), so a
+        second process skips compiling the bucket programs.
       engine: an already-built `LLMEngine` (then `model` is ignored).
       **engine_args: CacheConfig / SchedulerConfig / EngineConfig fields,
         e.g. block_size=16, num_kv_blocks=512, max_num_seqs=32,
@@ -50,11 +52,14 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32",
+                 compile_cache_dir: str | None = "checkpoints/jax_compile_cache",
                  engine: LLMEngine | None = None, **engine_args: Any):
         if engine is None:
             from jaxserve.checkpoint import load_model
             from jaxserve.checkpoint.default import resolve_model_path
+            from jaxserve.model_runner import enable_compilation_cache
 
+            enable_compilation_cache(compile_cache_dir)
             path = resolve_model_path(model)
             cfg, params, tokenizer = load_model(path, dtype=dtype)
             config = make_engine_config(cfg, **engine_args)

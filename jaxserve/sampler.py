@@ -353,7 +353,10 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
     if top_window < 1:
         raise ValueError(f"top_window={top_window} must be >= 1")
     logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
+    # Raw logprob = (x - max) - log(sum(exp(x - max))), as jax.nn.log_softmax computes it,
+    # but only at the S chosen ids and the top ids: no [S, V] log_softmax is materialised.
+    zmax = jax.lax.stop_gradient(jnp.max(logits, -1, keepdims=True))  # [S, 1]
+    log_z = jnp.log(jnp.sum(jnp.exp(logits - zmax), -1, keepdims=True))  # [S, 1]
     use_pen = ((md.repetition_penalty != 1.0) | (md.presence_penalty != 0.0)
                | (md.frequency_penalty != 0.0))
     x = jax.lax.cond(jnp.any(use_pen), lambda: apply_penalties(logits, md), lambda: logits)
@@ -366,9 +369,10 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
     token_ids = jax.lax.cond(
         jnp.all(greedy), lambda: greedy_ids,
         lambda: jnp.where(greedy, greedy_ids, _sample_random(x, md, greedy, top_window)))
-    logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], -1)[:, 0]
+    logprobs = ((jnp.take_along_axis(logits, token_ids[:, None], -1) - zmax) - log_z)[:, 0]
     if max_logprobs > 0:
-        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, max_logprobs)
+        top_vals, top_ids = jax.lax.top_k(logits, max_logprobs)  # same order as the logprobs
+        top_logprobs = (top_vals - zmax) - log_z
     else:
         top_logprobs = jnp.zeros((S, 0), jnp.float32)
         top_ids = jnp.zeros((S, 0), jnp.int32)

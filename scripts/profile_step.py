@@ -113,6 +113,11 @@ def main() -> None:
     ap.add_argument("--ctx", default="128,512", help="context length(s) of the decode rows")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip", default="", help="comma list of parts to skip")
+    ap.add_argument("--alt_attention", default="",
+                    help="path of another attention.py: adds an 'altattn' forward using it")
+    ap.add_argument("--alt_sampler", default="",
+                    help="path of another sampler.py; with --alt_attention adds 'step_before': "
+                         "stacked-weight scan + both alternatives")
     ap.add_argument("--cprofile", action="store_true", help="cProfile 10 engine.step() calls")
     ap.add_argument("--xprof", type=int, default=0,
                     help="trace this many jitted steps with jax.profiler; print the top ops")
@@ -144,6 +149,12 @@ def main() -> None:
         def attn(q, k, v, carry, layer):
             if mode == "noattn":
                 return q, carry
+            if mode == "altattn":  # attention from another implementation (--alt_attention)
+                kc, vc = alt_attention.write_kv(carry[0], carry[1], k, v, md, layer=layer,
+                                                backend=runner.backend)
+                o = alt_attention.attention(q, kc, vc, md, layer=layer, sm_scale=cfg.head_dim ** -0.5,
+                                            backend=runner.backend)
+                return o, (kc, vc)
             kc, vc = attention.write_kv(carry[0], carry[1], k, v, md, layer=layer,
                                         backend=runner.backend)
             return q, (kc, vc)
@@ -151,7 +162,44 @@ def main() -> None:
         hidden, kv = run_layers(cfg, params, batch["input_ids"], batch["positions"], attn, kv)
         return compute_logits(cfg, params, hidden[batch["logits_indices"]]), kv
 
+    alt_attention = None
+    if args.alt_attention:  # e.g. the previous attention.py, to A/B it in one process
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("alt_attention", args.alt_attention)
+        alt_attention = importlib.util.module_from_spec(spec)
+        import sys
+        sys.modules["alt_attention"] = alt_attention  # dataclasses look their module up
+        spec.loader.exec_module(alt_attention)
+    else:
+        skip.add("altattn")
+    alt_sampler = None
+    if args.alt_sampler:
+        import importlib.util
+        import sys
+        spec = importlib.util.spec_from_file_location("alt_sampler", args.alt_sampler)
+        alt_sampler = importlib.util.module_from_spec(spec)
+        sys.modules["alt_sampler"] = alt_sampler
+        spec.loader.exec_module(alt_sampler)
+
+    def before_fn(params, kv, batch):
+        """The step as it was: scan over stacked weights, --alt_attention, --alt_sampler."""
+        md = batch["attn"]
+
+        def attn(q, k, v, carry, layer):
+            kc, vc = alt_attention.write_kv(carry[0], carry[1], k, v, md, layer=layer,
+                                            backend=runner.backend)
+            o = alt_attention.attention(q, kc, vc, md, layer=layer, sm_scale=cfg.head_dim ** -0.5,
+                                        backend=runner.backend)
+            return o, (kc, vc)
+
+        hidden, kv = run_layers(cfg, params, batch["input_ids"], batch["positions"], attn, kv)
+        logits = compute_logits(cfg, params, hidden[batch["logits_indices"]])
+        out = alt_sampler.sample(logits, batch["sampling"], max_logprobs=runner.config.max_logprobs)
+        return out.token_ids, kv
+
+    step_before = jax.jit(before_fn, donate_argnums=(1,))
     fwd = jax.jit(fwd_fn, donate_argnums=(1,))
+    altattn = jax.jit(functools.partial(variant_fn, "altattn"), donate_argnums=(1,))
     noattn = jax.jit(functools.partial(variant_fn, "noattn"), donate_argnums=(1,))
     wkv = jax.jit(functools.partial(variant_fn, "wkv"), donate_argnums=(1,))
     from jaxserve.model_runner import _step_fn
@@ -209,7 +257,12 @@ def main() -> None:
                     r, runner.kv_cache = step_scan(params_scan, runner.kv_cache, dev)
                     jax.block_until_ready(r.token_ids)
                 fns["step_scan"] = run_step_scan
-            for name, f in (("fwd", fwd), ("noattn", noattn), ("wkv", wkv)):
+            if alt_attention is not None and alt_sampler is not None:
+                def run_before():
+                    r, runner.kv_cache = step_before(params_scan, runner.kv_cache, dev)
+                    jax.block_until_ready(r)
+                fns["step_before"] = run_before
+            for name, f in (("fwd", fwd), ("altattn", altattn), ("noattn", noattn), ("wkv", wkv)):
                 if name not in skip:
                     fns[name] = run(f)
             if "sampler" not in skip:
@@ -263,9 +316,18 @@ def main() -> None:
                 def run_mixed():
                     r, runner.kv_cache = runner._step(runner.params, runner.kv_cache, mdev)
                     jax.block_until_ready(r.token_ids)
-                med, mn = timeit(run_mixed, args.iters)
-                print(f"{S:>4} {ctx:>5} {str((out.token_bucket, out.seq_bucket)):>9} {'mixed':>8} "
-                      f"{med:8.2f} {mn:8.2f} {load():>5}", flush=True)
+                mfns = {"mixed": run_mixed}
+                for name, f in (("mix_fwd", fwd), ("mix_alt", altattn)):
+                    if name.replace("mix_", "") not in skip and not (name == "mix_alt" and "altattn" in skip):
+                        def g(f=f):
+                            lg, runner.kv_cache = f(runner.params, runner.kv_cache, mdev)
+                            jax.block_until_ready(lg)
+                        g()
+                        mfns[name] = g
+                run_mixed()
+                for name, (med, mn) in compare(mfns, args.iters).items():
+                    print(f"{S:>4} {ctx:>5} {str((out.token_bucket, out.seq_bucket)):>9} {name:>8} "
+                          f"{med:8.2f} {mn:8.2f} {load():>5}", flush=True)
                 sampled = runner.execute(out, engine._requests_of(out))
                 engine.scheduler.update_from_output(out, {r: t.token_id for r, t in sampled.items()})
             for rid in ids:

@@ -1,0 +1,1 @@
+"""Benchmarks: bucket policies (buckets), OpenAI-server load generator (serving), batching modes (batching)."""

@@ -36,7 +36,7 @@ Backend = Literal["xla", "pallas"]
 
 # xla path tiling, chosen by measurement (notes/attention.md).
 XLA_BLOCK_Q = 32  # tokens per prefill tile
-XLA_DECODE_CHUNK = 256  # keys per inner step, decode rows
+XLA_DECODE_CHUNK = 128  # keys per inner step, decode rows (notes/perf.md)
 XLA_PREFILL_CHUNK = 256  # keys per inner step, prefill tiles
 PALLAS_CHUNK = 64  # keys per inner step of the Pallas kernel
 
@@ -250,13 +250,27 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, layer=None, sm_scal
     return _xla_attention(q, kc, vc, li, md, float(sm_scale))
 
 
-def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_pages, n_chunks):
+def _gather_pages(cache, layer, pg):
+    """Pages pg (i32[n, cp]) of layer `layer` of cache [L, N, B, K, D] -> [n, cp*B, K, D].
+
+    A row gather on the free [L*N, B*K*D] view: one contiguous page per index, which
+    XLA:CPU copies ~1.5x faster than the 5-D gather (notes/perf.md).
+    """
+    nl, nb, bs, kh, d = cache.shape
+    rows = cache.reshape(nl * nb, bs * kh * d).at[pg + layer * nb].get(mode="promise_in_bounds")
+    return rows.reshape(pg.shape[0], pg.shape[1] * bs, kh, d)
+
+
+def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_pages, n_chunks,
+                  multiply_sum: bool = False):
     """Online-softmax attention of tiles of rows against their sequences' pages.
 
     q: [n, K, M, D] (M rows per KV head: tokens x heads-in-group); row_pos: i32[n, M]
     position of each row; kv_end: i32[n] keys in use per tile; pages: i32[n, P'] page
     ids (P' a multiple of chunk_pages); kc, vc: [L, N, B, K, D]; n_chunks: traced trip
-    count. Returns f32[n, K, M, D].
+    count. multiply_sum: compute both products as broadcast-multiply + sum on the gathered
+    [n, CK, K, D] layout (decode: M = H/K rows, too few for a matmul to pay for the
+    transposes) instead of batched matmuls. Returns f32[n, K, M, D].
     """
     n, kh, m, d = q.shape
     bs = kc.shape[2]
@@ -266,24 +280,33 @@ def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_p
     def body(c, carry):
         acc, m_i, l_i = carry  # [n, K, M, D], [n, K, M], [n, K, M]
         pg = lax.dynamic_slice_in_dim(pages, c * chunk_pages, chunk_pages, axis=1)  # [n, cp]
-        # Gather straight from the stacked cache at `layer` (no per-layer copy), then
-        # put K before the key axis so both dots are plain batched matmuls.
-        k = kc.at[layer, pg].get(mode="promise_in_bounds")
-        k = k.reshape(n, ck, kh, d).transpose(0, 2, 1, 3)  # [n, K, CK, D]
-        v = vc.at[layer, pg].get(mode="promise_in_bounds")
-        v = v.reshape(n, ck, kh, d).transpose(0, 2, 1, 3)
+        # Gather straight from the stacked cache at `layer` (no per-layer copy).
+        k = _gather_pages(kc, layer, pg)  # [n, CK, K, D]
+        v = _gather_pages(vc, layer, pg)
         kpos = c * ck + j  # [CK]
         key_ok = kpos[None, :] < kv_end[:, None]  # [n, CK]
         valid = ((kpos[None, None, :] <= row_pos[:, :, None])
                  & key_ok[:, None, :])[:, None]  # [n, 1, M, CK]
-        s = jnp.einsum("nkmd,nkcd->nkmc", q, k, preferred_element_type=jnp.float32) * sm_scale
+        v = jnp.where(key_ok[:, :, None, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
+        if multiply_sum:
+            s = jnp.sum(q[:, None].astype(jnp.float32) * k[:, :, :, None, :].astype(jnp.float32),
+                        -1)  # [n, CK, K, M]
+            s = s.transpose(0, 2, 3, 1) * sm_scale  # [n, K, M, CK]
+        else:
+            # K before the key axis, so both dots are plain batched matmuls.
+            k = k.transpose(0, 2, 1, 3)  # [n, K, CK, D]
+            v = v.transpose(0, 2, 1, 3)
+            s = jnp.einsum("nkmd,nkcd->nkmc", q, k, preferred_element_type=jnp.float32) * sm_scale
         s = jnp.where(valid, s, rpa.MASK_VALUE)
         m_new = jnp.maximum(m_i, s.max(-1))
         alpha = jnp.exp(m_i - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
-        v = jnp.where(key_ok[:, None, :, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
-        pv = jnp.einsum("nkmc,nkcd->nkmd", p.astype(v.dtype), v,
-                        preferred_element_type=jnp.float32)
+        if multiply_sum:
+            pv = jnp.sum(p.transpose(0, 3, 1, 2)[..., None] * v[:, :, :, None, :].astype(jnp.float32),
+                         1)  # [n, K, M, D]
+        else:
+            pv = jnp.einsum("nkmc,nkcd->nkmd", p.astype(v.dtype), v,
+                            preferred_element_type=jnp.float32)
         return acc * alpha[..., None] + pv, m_new, l_i * alpha + p.sum(-1)
 
     init = (jnp.zeros((n, kh, m, d), jnp.float32),
@@ -314,7 +337,7 @@ def _xla_attention(q, kc, vc, layer, md: AttentionMetadata, sm_scale: float):
     row_pos = jnp.broadcast_to(md.decode_kv_len[:, None] - 1, (md.decode_kv_len.shape[0], g))
     o_dec = _flash_chunks(dq, row_pos, md.decode_kv_len, _pad_pages(md.block_table, dcp),
                           kc, vc, layer, sm_scale=sm_scale, chunk_pages=dcp,
-                          n_chunks=n_chunks)  # [S, K, G, D]
+                          n_chunks=n_chunks, multiply_sum=True)  # [S, K, G, D]
     out = out.at[md.decode_token_idx].set(o_dec)
 
     # Prefill tiles, one at a time, each up to its own causal end.

@@ -184,7 +184,8 @@ class BucketPolicy:
 
         Tokens: "pow2" -> pow2_buckets(max_num_batched_tokens, min_token_bucket);
         "pow2_linear" -> pow2_linear_buckets(max_num_batched_tokens, bucket_gap,
-        min_token_bucket). Sequences: pow2_buckets(max_num_seqs).
+        min_token_bucket). Sequences: pow2_buckets(max_num_seqs, min_seq_bucket)
+        (min_seq_bucket clamped to max_num_seqs).
         """
         tb = cfg.token_buckets
         if tb is None:
@@ -193,7 +194,9 @@ class BucketPolicy:
             else:
                 tb = pow2_linear_buckets(cfg.max_num_batched_tokens, cfg.bucket_gap,
                                          cfg.min_token_bucket)
-        sb = cfg.seq_buckets if cfg.seq_buckets is not None else pow2_buckets(cfg.max_num_seqs)
+        sb = cfg.seq_buckets
+        if sb is None:
+            sb = pow2_buckets(cfg.max_num_seqs, min(cfg.min_seq_bucket, cfg.max_num_seqs))
         return cls(tb, sb)
 
     @property
