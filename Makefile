@@ -12,7 +12,8 @@ PROMPTS ?= examples/prompts.jsonl
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PY312)" || { echo "error: Python 3.12 not found (tried python3.12 and ~/.pyenv/versions/3.12*)"; exit 1; }
-	test -x $(PY) || $(PY312) -m venv $(VENV)
+	$(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV); $(PY312) -m venv $(VENV) || \
+		{ rm -rf $(VENV); echo "error: '$(PY312) -m venv' failed (on Debian/Ubuntu: apt-get install python3.12-venv)"; exit 1; }; }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,test]'
 	touch $@

@@ -27,7 +27,8 @@ flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks (default: fr
 flags.DEFINE_integer("kv_cache_memory_mb", 512, "KV pool memory budget in MiB when --num_kv_blocks is unset.")
 flags.DEFINE_integer("max_num_seqs", 32, "Most sequences in one step.")
 flags.DEFINE_integer("max_num_batched_tokens", 256, "Token budget of one step (the largest token bucket).")
-flags.DEFINE_integer("max_model_len", 2048, "Most positions (prompt + output) of one request.")
+flags.DEFINE_integer("max_model_len", None, "Most positions (prompt + output) of one request "
+                     "(default: min(2048, the model's max_position_embeddings)).")
 flags.DEFINE_integer("long_prefill_token_threshold", 0, "Cap on one prompt's chunk per step (0: none).")
 flags.DEFINE_enum("bucket_policy", "pow2", ["pow2", "pow2_linear"], "How token/seq buckets are built.")
 flags.DEFINE_integer("bucket_gap", 64, "Linear step of the pow2_linear policy.")
@@ -68,13 +69,15 @@ def engine_args_from_flags() -> dict[str, Any]:
     """The engine keyword arguments named by the shared flags."""
     args: dict[str, Any] = dict(
         dtype=FLAGS.dtype, block_size=FLAGS.block_size, max_num_seqs=FLAGS.max_num_seqs,
-        max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_model_len=FLAGS.max_model_len,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
         bucket_policy=FLAGS.bucket_policy, bucket_gap=FLAGS.bucket_gap,
         attention_backend=FLAGS.attention_backend,
         enable_prefix_caching=FLAGS.enable_prefix_caching, static_batching=FLAGS.static_batching,
         unroll_layers=FLAGS.unroll_layers,
         kv_cache_memory_bytes=FLAGS.kv_cache_memory_mb * 2**20)
+    if FLAGS.max_model_len is not None:
+        args["max_model_len"] = FLAGS.max_model_len
     if FLAGS.num_kv_blocks is not None:
         args["num_kv_blocks"] = FLAGS.num_kv_blocks
     if FLAGS.token_buckets:
@@ -112,9 +115,15 @@ def read_prompts(path: str | None, inline: Sequence[str]) -> list[dict[str, Any]
             for n, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
-                rec = json.loads(line)
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
                 if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
                     raise ValueError(f"{path}:{n}: each line must be an object with a string 'prompt'")
+                mt = rec.get("max_tokens")
+                if "max_tokens" in rec and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
+                    raise ValueError(f"{path}:{n}: max_tokens={mt!r} must be an int >= 1")
                 rec.setdefault("id", f"f{n}")
                 rows.append(rec)
         else:

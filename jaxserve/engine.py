@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -24,19 +25,12 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.model_runner import CompileCounter, ModelRunner, SampledToken, describe_capacity, resolve_num_kv_blocks
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
+from jaxserve.sampler import MAX_EOS_TOKEN_IDS
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-_FINISH_REASON = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}
-
 
 def make_engine_config(model: ModelConfig, **engine_args: Any) -> EngineConfig:
     """Distribute flat keyword arguments (vLLM `EngineArgs` style) over the configs.
@@ -125,6 +119,12 @@ class LLMEngine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
+        V = self.config.model.vocab_size
+        if any(not 0 <= t < V for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids={self.eos_token_ids} must lie in [0, vocab_size={V})")
+        if len(self.eos_token_ids) > MAX_EOS_TOKEN_IDS:
+            raise ValueError(f"{len(self.eos_token_ids)} EOS ids {self.eos_token_ids}: the sampler "
+                             f"supports at most MAX_EOS_TOKEN_IDS={MAX_EOS_TOKEN_IDS}")
         if warmup:
             self.runner.warmup(progress=progress)
 
@@ -143,11 +143,21 @@ class LLMEngine:
         if isinstance(prompt, str):
             self._need_tokenizer("a text prompt")
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        ids = list(prompt)
+        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+            raise ValueError(f"prompt must be a str or a sequence of token ids, got "
+                             f"{type(prompt).__name__}")
         V = self.config.model.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is not an int in [0, vocab_size={V})")
+        ids = []
+        for t in prompt:
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                t = operator.index(t)  # ints and NumPy integers
+            except TypeError:
+                raise ValueError(f"prompt token id {t!r} is not an integer") from None
+            if not 0 <= t < V:
+                raise ValueError(f"prompt token id {t} is outside [0, vocab_size={V})")
+            ids.append(t)
         return None, ids
 
     def _need_tokenizer(self, what: str) -> None:
@@ -169,6 +179,13 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request_id={request_id!r} is already in use")
         params = params or SamplingParams()
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the engine's "
+                             f"max_logprobs={self.config.max_logprobs}")
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        taken = [c for c in child_ids if c in self._child_of]
+        if taken:
+            raise ValueError(f"request_id={request_id!r}: id {taken[0]!r} belongs to a live request")
         text, ids = self._prompt_ids(prompt, messages)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens): give at least one token")
@@ -179,8 +196,7 @@ class LLMEngine:
             if params.n > 1:
                 # vLLM's convention: sample i of a seeded request uses seed + i.
                 cp = params.replace(n=1, seed=None if params.seed is None else params.seed + i)
-            cid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(cid, ids, cp, eos_token_ids=self.eos_token_ids, arrival_time=arrival,
+            req = Request(child_ids[i], ids, cp, eos_token_ids=self.eos_token_ids, arrival_time=arrival,
                           priority=priority)
             detok = None
             if self.tokenizer is not None:
@@ -205,10 +221,15 @@ class LLMEngine:
 
     # -------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling iteration; return outputs of requests that progressed."""
+        """Run one scheduling iteration; return outputs of requests that progressed.
+
+        A failure inside the device step ends that step's requests with
+        finish_reason "error" (and, when the failure consumed the donated KV
+        cache, every other live request too, since their KV rows are gone);
+        the engine itself stays usable.
+        """
         out = self.scheduler.schedule()
         self.last_step_tokens = out.num_scheduled_tokens
-        changed: dict[str, None] = {}
         now = time.monotonic()
         for sr in out.scheduled:
             p = self._parents[self._child_of[sr.request_id][0]]
@@ -219,18 +240,32 @@ class LLMEngine:
         try:
             sampled = self.runner.execute(out, self._requests_of(out))
         except Exception as e:  # one bad step fails its requests, never the engine
-            logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
-            ids = [sr.request_id for sr in out.scheduled]
-            for rid in ids:
-                self._child(rid).error = f"{type(e).__name__}: {e}"
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            return self._collect({self._child_of[r][0]: None for r in ids})
+            return self._fail_step(out, e)
         self.scheduler.update_from_output(out, {rid: t.token_id for rid, t in sampled.items()})
         now = time.monotonic()
+        changed: dict[str, None] = {}
         for rid, tok in sampled.items():
-            self._on_token(rid, tok, now)
             changed[self._child_of[rid][0]] = None
+            try:
+                self._on_token(rid, tok, now)
+            except Exception as e:  # e.g. a detokenizer error: this request alone fails
+                logger.exception("output processing failed for %s", rid)
+                self._child(rid).error = f"{type(e).__name__}: {e}"
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
         return self._collect(changed)
+
+    def _fail_step(self, out, e: Exception) -> list[RequestOutput]:
+        ids = [sr.request_id for sr in out.scheduled]
+        if self.runner.kv_cache_lost():
+            # The donated cache died with the step: no live request's KV survives.
+            ids = [cid for cid in self._child_of if not self._child(cid).request.is_finished]
+            self.runner.reset_kv_cache()
+        logger.exception("engine step failed; failing %d requests", len(ids))
+        for rid in ids:
+            self._child(rid).error = f"{type(e).__name__}: {e}"
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        self.scheduler.kv_cache_manager.reset_prefix_cache()  # cached rows may be garbage now
+        return self._collect({self._child_of[r][0]: None for r in ids})
 
     def _requests_of(self, out) -> dict[str, Request]:
         return {sr.request_id: self._child(sr.request_id).request for sr in out.scheduled}
@@ -258,10 +293,14 @@ class LLMEngine:
         if c.detok is not None:
             upd = c.detok.update([tok.token_id], finished=c.request.is_finished)
             c.delta_text += upd.delta_text
-            if upd.stop_string is not None and not c.request.is_finished:
+            if upd.stop_string is not None:
                 c.stop_reason = upd.stop_string
-                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
-                c.delta_text += c.detok.update([], finished=True).delta_text
+                if not c.request.is_finished:
+                    self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
+                    c.delta_text += c.detok.update([], finished=True).delta_text
+                elif c.request.status == RequestStatus.FINISHED_LENGTH:
+                    # The stop string completed on the last allowed token: vLLM reports "stop".
+                    c.request.status = RequestStatus.FINISHED_STOPPED
         if c.request.is_finished and c.stop_reason is None:
             c.stop_reason = c.request.stop_reason
 
@@ -274,10 +313,11 @@ class LLMEngine:
                 comps.append(CompletionOutput(
                     index=c.index, text=c.detok.output_text if c.detok else "",
                     token_ids=list(c.request.output_token_ids), delta_text=c.delta_text,
-                    delta_token_ids=c.delta_ids, logprobs=c.logprobs,
+                    delta_token_ids=c.delta_ids,
+                    logprobs=None if c.logprobs is None else list(c.logprobs),
                     delta_logprobs=c.delta_logprobs if c.logprobs is not None else None,
                     cumulative_logprob=c.cumulative_logprob,
-                    finish_reason=_FINISH_REASON.get(c.request.status),
+                    finish_reason=c.request.finish_reason,
                     stop_reason=c.stop_reason, error=c.error))
                 c.delta_text, c.delta_ids, c.delta_logprobs = "", [], []
             finished = all(c.request.is_finished for c in p.children)

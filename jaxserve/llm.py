@@ -54,6 +54,9 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "float32",
                  compile_cache_dir: str | None = "checkpoints/jax_compile_cache",
                  engine: LLMEngine | None = None, **engine_args: Any):
+        if engine is not None and (model is not None or engine_args):
+            raise ValueError(f"LLM(engine=...) takes no model or engine arguments, got "
+                             f"model={model!r}, {sorted(engine_args)}")
         if engine is None:
             from jaxserve.checkpoint import load_model
             from jaxserve.checkpoint.default import resolve_model_path
@@ -114,6 +117,10 @@ class LLM:
 
         Each prompt is a string, a token-id list, or a chat conversation
         (list of {"role", "content"} dicts, chat template applied).
+
+        Raises:
+          ValueError: a bad prompt or sampling parameter, or a SamplingParams
+            list whose length differs from the prompts'; nothing is queued then.
         """
         ids = self._submit(prompts, sampling_params)
         order = {rid: i for i, rid in enumerate(ids)}

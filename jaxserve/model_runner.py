@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model import attention
-from jaxserve.model.llama import forward_paged, unstack_layers
+from jaxserve.model.llama import check_params, forward_paged, unstack_layers
 from jaxserve.request import Request
 from jaxserve.sampler import SamplingRow, make_sampling_metadata, sample
 from jaxserve.scheduler.batch import build_batch
@@ -148,12 +148,11 @@ class ModelRunner:
         backend = config.attention_backend
         self.backend = attention.default_backend() if backend == "auto" else backend
         dt = jnp.dtype(self.cfg.dtype)
+        check_params(self.cfg, params)  # a clear ValueError now, not a tracing error at warm-up
         if config.unroll_layers:
             params = unstack_layers(params)  # host-side views when params are NumPy
         self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, dt), params))
-        shape = (self.cfg.num_hidden_layers, num_kv_blocks, self.block_size,
-                 self.cfg.num_key_value_heads, self.cfg.head_dim)
-        self.kv_cache = (jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+        self.kv_cache = self._zero_kv_cache()
         self._step = jax.jit(functools.partial(_step_fn, self.cfg, self.backend, config.max_logprobs),
                              donate_argnums=(1,))
         self.warmup_seconds = 0.0
@@ -162,12 +161,27 @@ class ModelRunner:
         self.num_steps = 0
         self._warned_compiles = 0
 
+    def _zero_kv_cache(self) -> tuple[jax.Array, jax.Array]:
+        shape = (self.cfg.num_hidden_layers, self.num_kv_blocks, self.block_size,
+                 self.cfg.num_key_value_heads, self.cfg.head_dim)
+        dt = jnp.dtype(self.cfg.dtype)
+        return jnp.zeros(shape, dt), jnp.zeros(shape, dt)
+
+    def kv_cache_lost(self) -> bool:
+        """True when a failed step consumed the donated KV cache (its buffers are deleted)."""
+        return any(a.is_deleted() for a in self.kv_cache)
+
+    def reset_kv_cache(self) -> None:
+        """Fresh zeroed caches after a failure; every cached KV row is gone."""
+        self.kv_cache = self._zero_kv_cache()
+
     # -------------------------------------------------------- host-side arrays
     def _host_batch(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, Any]:
         b = build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
         md = attention.make_attention_metadata(
             slot_mapping=b.slot_mapping, query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
-            block_table=b.block_table, num_seqs=b.num_seqs, block_size=self.block_size)
+            block_table=b.block_table, num_seqs=b.num_seqs, block_size=self.block_size,
+            num_queries_per_kv=self.cfg.num_queries_per_kv)
         rows: list[SamplingRow | None] = []
         for sr in out.scheduled:
             r = requests[sr.request_id]
@@ -181,7 +195,14 @@ class ModelRunner:
                 "logits_indices": b.logits_indices, "sampling": smd}
 
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, SampledToken]:
-        """Run one step; return the sampled token of each request with `sample=True`."""
+        """Run one step; return the sampled token of each request with `sample=True`.
+
+        Args:
+          out: the scheduler's plan; requests: request_id -> Request for its rows.
+        Raises:
+          ValueError: a plan the bucket or block table cannot hold (from build_batch);
+          any device error of the step (the caller checks `kv_cache_lost()`).
+        """
         if not out.scheduled:
             return {}
         host = self._host_batch(out, requests)
@@ -206,13 +227,7 @@ class ModelRunner:
         for t_pad, s_pad in tqdm(shapes, desc="warm-up (compile buckets)", disable=not progress):
             empty = SchedulerOutput(scheduled=(), num_scheduled_tokens=0, token_bucket=t_pad,
                                     seq_bucket=s_pad, preempted_ids=(), finished_ids=(), step=-1)
-            b = build_batch(empty, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
-            md = attention.make_attention_metadata(
-                slot_mapping=b.slot_mapping, query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
-                block_table=b.block_table, num_seqs=b.num_seqs, block_size=self.block_size)
-            smd = make_sampling_metadata([], num_rows=s_pad, max_model_len=self.config.scheduler.max_model_len)
-            host = {"input_ids": b.input_ids, "positions": b.positions, "attn": md,
-                    "logits_indices": b.logits_indices, "sampling": smd}
+            host = self._host_batch(empty, {})
             result, self.kv_cache = self._step(self.params, self.kv_cache, jax.device_put(host))
             jax.block_until_ready(result.token_ids)
         self.warmup_seconds = time.perf_counter() - t0

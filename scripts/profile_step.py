@@ -18,6 +18,12 @@ The machine is shared, so `uptime`'s load is printed with each row; compare
 ratios within one run, not absolute times across runs.
 
     .venv/bin/python scripts/profile_step.py --rows=1,8,32 --ctx=128,512
+    # A/B against older files in the same process (adds step_before / altattn):
+    .venv/bin/python scripts/profile_step.py --rows=8 --ctx=256 \
+        --alt_attention=OLD/attention.py --alt_sampler=OLD/sampler.py
+    # per-HLO-op time of the step: --xprof=5 ; cProfile of engine.step(): --cprofile
+
+Results and how to read them: notes/perf.md.
 """
 
 from __future__ import annotations
@@ -90,7 +96,7 @@ def print_top_ops(fn, n: int, top: int = 30) -> None:
         print(f"  {ns / 1e6 / n:9.2f} ms/step {cnt[(plane, name)] // n:6d}x  {plane[:20]:20} {name[:90]}")
 
 
-def build(rows: int, max_num_seqs: int):
+def build(rows: int, max_num_seqs: int, seq_buckets=None):
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
@@ -102,7 +108,7 @@ def build(rows: int, max_num_seqs: int):
     config = make_engine_config(cfg, max_model_len=2048, block_size=16,
                                 kv_cache_memory_bytes=512 * 2**20, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=64, token_buckets=(8, 32, 64),
-                                seq_buckets=tuple(sorted({1, 8, max_num_seqs})),
+                                seq_buckets=seq_buckets or tuple(sorted({1, 8, max_num_seqs})),
                                 attention_backend="xla")
     return LLMEngine(config, params, tok, model_name="smollm2", warmup=False, progress=False)
 
@@ -111,6 +117,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--ctx", default="128,512", help="context length(s) of the decode rows")
+    ap.add_argument("--seq_buckets", default="", help="e.g. 8,32 (default 1,8,32)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip", default="", help="comma list of parts to skip")
     ap.add_argument("--alt_attention", default="",
@@ -131,7 +138,8 @@ def main() -> None:
     from jaxserve.sampler import make_sampling_metadata, sample
     from jaxserve.sampling_params import SamplingParams
 
-    engine = build(max(rows_list), max(32, max(rows_list)))
+    sb = tuple(int(x) for x in args.seq_buckets.split(",")) if args.seq_buckets else None
+    engine = build(max(rows_list), max(32, max(rows_list)), sb)
     runner = engine.runner
     cfg = runner.cfg
     print(f"jax {jax.__version__}, backend={runner.backend}, max_logprobs={runner.config.max_logprobs}, "
@@ -325,6 +333,8 @@ def main() -> None:
                         g()
                         mfns[name] = g
                 run_mixed()
+                if args.xprof:
+                    print_top_ops(run_mixed, args.xprof)
                 for name, (med, mn) in compare(mfns, args.iters).items():
                     print(f"{S:>4} {ctx:>5} {str((out.token_bucket, out.seq_bucket)):>9} {name:>8} "
                           f"{med:8.2f} {mn:8.2f} {load():>5}", flush=True)

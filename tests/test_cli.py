@@ -50,7 +50,7 @@ def test_generate_cli_prints_outputs_and_summary(tmp_path):
     assert 0.0 <= result["summary"]["padding_fraction"] < 1.0
 
 
-def test_generate_cli_missing_model_names_the_fetch_command(tmp_path):
+def test_generate_cli_missing_model_names_the_file(tmp_path):
     cmd = [sys.executable, "-m", "jaxserve.cli", "generate", f"--model={tmp_path / 'nope.gguf'}",
            "--prompt=hi"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -174,15 +174,19 @@ def test_c04_preemption_by_recompute_keeps_outputs():
                                   "mid_chunked_prefill"])
 def test_c05_forced_preemption_resumes_exactly(when):
     engine = tiny_engine(max_num_batched_tokens=16, max_num_seqs=4)
-    prompt = prompt_of(7 if when != "mid_chunked_prefill" else 40, salt=5)
-    steps = {"after_first_token": [1], "computed_eq_prompt": [1], "late": [30], "twice": [3, 12],
-             "mid_chunked_prefill": [1]}[when]
+    # (prompt length, steps before which "v" is preempted); budget 16, block_size 4.
+    length, steps = {"after_first_token": (7, [1]), "computed_eq_prompt": (16, [1]),
+                     "late": (7, [30]), "twice": (7, [3, 12]),
+                     "mid_chunked_prefill": (40, [1])}[when]
+    prompt = prompt_of(length, salt=5)
+    before = engine.get_stats()["num_preemptions"]
 
     def hook(engine, step):
-        if step in steps and engine.scheduler.get_request("v") is not None:
+        if step in steps:
             engine.scheduler.preempt("v")
 
     done = run_all(engine, [("v", prompt, greedy(40))], before_step=hook)
+    assert engine.get_stats()["num_preemptions"] - before == len(steps)
     assert done["v"].outputs[0].token_ids == cached_reference(tuple(prompt), 40)
     assert_idle_and_clean(engine)
 
@@ -296,11 +300,13 @@ def test_c21_seed_independent_of_batch_mates_and_preemption():
         assert run_all(engine, reqs)["R"].outputs[0].token_ids == alone
 
     def hook(engine, step):
-        if step == 5 and engine.scheduler.get_request("R") is not None:
+        if step == 5:
             engine.scheduler.preempt("R")
 
     small = tiny_engine(max_num_batched_tokens=16, max_num_seqs=4)
+    before = small.get_stats()["num_preemptions"]
     assert run_all(small, [("R", P, sp)], before_step=hook)["R"].outputs[0].token_ids == alone
+    assert small.get_stats()["num_preemptions"] == before + 1
     others = {tuple(run_all(engine, [("R", P, sp.replace(seed=s))])["R"].outputs[0].token_ids)
               for s in range(8)}
     assert len(others) >= 2
@@ -345,13 +351,17 @@ def test_streamed_deltas_concatenate_to_final_text():
     llm = LLM(engine=tiny_engine())
     pieces: dict[str, list[str]] = {}
     finals = {}
-    for out in llm.generate_stream(["Hello there", "abc"], greedy(20)):
+    base = llm.generate(["Hello there"], greedy(20), use_tqdm=False)[0].outputs[0].text
+    stop = base[8:10]  # held back while a stop prefix is pending, then cut
+    params = [greedy(20, stop=(stop,)), greedy(20)]
+    for out in llm.generate_stream(["Hello there", "abc"], params):
         pieces.setdefault(out.request_id, []).append(out.outputs[0].delta_text)
         if out.finished:
             finals[out.request_id] = out.outputs[0].text
     assert len(finals) == 2
     for rid, text in finals.items():
         assert "".join(pieces[rid]) == text
+    assert stop not in finals["gen-1"] and finals["gen-1"] == base[: base.index(stop)]
 
 
 def test_llm_generate_keeps_input_order_and_accepts_chat(tokenizer):
@@ -365,3 +375,58 @@ def test_llm_generate_keeps_input_order_and_accepts_chat(tokenizer):
     assert outs[2].prompt_token_ids == tokenizer.apply_chat_template(chat)
     assert outs[1].outputs[0].token_ids == cached_reference(tuple(P), 6)
     assert outs[0].metrics.ttft is not None and outs[0].metrics.ttft >= 0
+
+
+def test_stop_string_completed_by_the_last_allowed_token_reports_stop():
+    engine = tiny_engine()
+    base = run_all(engine, [("t", P, greedy(24))])["t"].outputs[0].text
+    # A suffix whose first occurrence is at the very end: it completes on token 24.
+    stop = next(base[-k:] for k in range(2, 8) if base.index(base[-k:]) == len(base) - k)
+    out = run_all(engine, [("u", P, greedy(24, stop=(stop,)))])["u"].outputs[0]
+    assert len(out.token_ids) == 24
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base[: len(base) - len(stop)]
+
+
+def test_engine_step_failure_fails_requests_and_engine_recovers(monkeypatch):
+    engine = tiny_engine()
+    runner = engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def failing(out, requests):
+        calls["n"] += 1
+        if calls["n"] == 3:  # mid-decode, and the donated KV cache is lost with it
+            for a in runner.kv_cache:
+                a.delete()
+            raise RuntimeError("injected device failure")
+        return real_execute(out, requests)
+
+    monkeypatch.setattr(runner, "execute", failing)
+    done = run_all(engine, [("x", P, greedy(8)), ("y", prompt_of(9), greedy(8))])
+    for rid in ("x", "y"):
+        o = done[rid].outputs[0]
+        assert o.finish_reason == "error" and "injected device failure" in o.error
+    assert not runner.kv_cache_lost()
+    assert_idle_and_clean(engine)
+    monkeypatch.setattr(runner, "execute", real_execute)
+    again = run_all(engine, [("z", P, greedy(8))])["z"].outputs[0]
+    assert again.token_ids == cached_reference(tuple(P), 8)
+
+
+def test_child_ids_logprobs_limit_and_prompt_types():
+    engine = tiny_engine()
+    engine.add_request("a", P, greedy(30, n=2))
+    with pytest.raises(ValueError, match="a#1"):
+        engine.add_request("a#1", P, greedy(2))
+    with pytest.raises(ValueError, match="max_logprobs"):
+        engine.add_request("lp", P, greedy(2, logprobs=engine.config.max_logprobs + 1))
+    with pytest.raises(ValueError, match="sequence of token ids"):
+        engine.add_request("bad", 5, greedy(2))
+    with pytest.raises(ValueError, match="not an integer"):
+        engine.add_request("bad", [1, 2.5], greedy(2))
+    engine.add_request("np", [np.int64(t) for t in P], greedy(3))
+    done = run_all(engine, [])
+    assert [len(o.token_ids) for o in done["a"].outputs] == [30, 30]
+    assert done["np"].outputs[0].token_ids == cached_reference(tuple(P), 3)
+    assert_idle_and_clean(engine)

@@ -4,12 +4,13 @@
 `AttentionMetadata` pytree; `write_kv` scatters the step's new K/V rows into the
 paged cache; `attention` runs ragged paged attention with one of two backends:
 
-* "xla": pure jnp, the CPU default. Decode rows (q_len = 1) are batched over
-  sequences; prefill rows run tile by tile in a loop whose trip count is the
-  number of tiles in use. Both walk the KV pages in chunks with an online
-  softmax (FlashAttention-2, Dao 2023) and stop at the longest context
-  actually present, so the cost follows the real context, not
-  max_blocks_per_seq.
+* "xla": pure jnp, the CPU default. Decode rows (q_len = 1) are split into
+  (sequence, 128-key chunk) work items walked S at a time and merged per
+  sequence (split-KV, flash-decoding), so the cost follows the sum of the real
+  context lengths: padded slots and short rows beside a long one cost nothing.
+  Prefill rows run tile by tile in a loop whose trip count is the number of
+  tiles in use, each walking its pages in chunks with an online softmax
+  (FlashAttention-2, Dao 2023) up to its own causal end.
 * "pallas": the Triton kernel of jaxserve/pallas/ragged_paged_attention.py
   (GPU default; `interpret=True` on CPU for tests).
 
@@ -36,7 +37,8 @@ Backend = Literal["xla", "pallas"]
 
 # xla path tiling, chosen by measurement (notes/attention.md).
 XLA_BLOCK_Q = 32  # tokens per prefill tile
-XLA_DECODE_CHUNK = 128  # keys per inner step, decode rows (notes/perf.md)
+XLA_DECODE_CHUNK = 128  # keys per split-KV work item, decode rows (notes/perf.md)
+XLA_DECODE_MULSUM = True  # decode products as multiply + sum instead of tiny matmuls
 XLA_PREFILL_CHUNK = 256  # keys per inner step, prefill tiles
 PALLAS_CHUNK = 64  # keys per inner step of the Pallas kernel
 
@@ -261,16 +263,13 @@ def _gather_pages(cache, layer, pg):
     return rows.reshape(pg.shape[0], pg.shape[1] * bs, kh, d)
 
 
-def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_pages, n_chunks,
-                  multiply_sum: bool = False):
+def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_pages, n_chunks):
     """Online-softmax attention of tiles of rows against their sequences' pages.
 
     q: [n, K, M, D] (M rows per KV head: tokens x heads-in-group); row_pos: i32[n, M]
     position of each row; kv_end: i32[n] keys in use per tile; pages: i32[n, P'] page
     ids (P' a multiple of chunk_pages); kc, vc: [L, N, B, K, D]; n_chunks: traced trip
-    count. multiply_sum: compute both products as broadcast-multiply + sum on the gathered
-    [n, CK, K, D] layout (decode: M = H/K rows, too few for a matmul to pay for the
-    transposes) instead of batched matmuls. Returns f32[n, K, M, D].
+    count. Returns f32[n, K, M, D]. (Prefill tiles; decode rows use `_decode_split_kv`.)
     """
     n, kh, m, d = q.shape
     bs = kc.shape[2]
@@ -288,25 +287,15 @@ def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_p
         valid = ((kpos[None, None, :] <= row_pos[:, :, None])
                  & key_ok[:, None, :])[:, None]  # [n, 1, M, CK]
         v = jnp.where(key_ok[:, :, None, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
-        if multiply_sum:
-            s = jnp.sum(q[:, None].astype(jnp.float32) * k[:, :, :, None, :].astype(jnp.float32),
-                        -1)  # [n, CK, K, M]
-            s = s.transpose(0, 2, 3, 1) * sm_scale  # [n, K, M, CK]
-        else:
-            # K before the key axis, so both dots are plain batched matmuls.
-            k = k.transpose(0, 2, 1, 3)  # [n, K, CK, D]
-            v = v.transpose(0, 2, 1, 3)
-            s = jnp.einsum("nkmd,nkcd->nkmc", q, k, preferred_element_type=jnp.float32) * sm_scale
+        # K before the key axis, so both dots are plain batched matmuls.
+        k = k.transpose(0, 2, 1, 3)  # [n, K, CK, D]
+        v = v.transpose(0, 2, 1, 3)
+        s = jnp.einsum("nkmd,nkcd->nkmc", q, k, preferred_element_type=jnp.float32) * sm_scale
         s = jnp.where(valid, s, rpa.MASK_VALUE)
         m_new = jnp.maximum(m_i, s.max(-1))
         alpha = jnp.exp(m_i - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
-        if multiply_sum:
-            pv = jnp.sum(p.transpose(0, 3, 1, 2)[..., None] * v[:, :, :, None, :].astype(jnp.float32),
-                         1)  # [n, K, M, D]
-        else:
-            pv = jnp.einsum("nkmc,nkcd->nkmd", p.astype(v.dtype), v,
-                            preferred_element_type=jnp.float32)
+        pv = jnp.einsum("nkmc,nkcd->nkmd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return acc * alpha[..., None] + pv, m_new, l_i * alpha + p.sum(-1)
 
     init = (jnp.zeros((n, kh, m, d), jnp.float32),
@@ -314,6 +303,80 @@ def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_p
             jnp.zeros((n, kh, m), jnp.float32))
     acc, _, l_i = lax.fori_loop(0, n_chunks, body, init)
     return acc / jnp.where(l_i > 0.0, l_i, 1.0)[..., None]
+
+
+def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, multiply_sum):
+    """Decode attention over a flat list of (sequence, KV chunk) work items (split-KV).
+
+    Flash-decoding style (Dao et al. 2023): sequence s contributes ceil(kv_len[s] / CK)
+    items; each loop iteration takes the next S items, whatever sequences they belong to,
+    and the per-item partial softmax states are merged per sequence at the end. The cost
+    follows the sum of the real context lengths, not S_pad x the longest one: padded
+    slots (kv_len 0) and short rows next to a long one cost nothing.
+
+    q: [S, K, G, D]; kv_len: i32[S] (0 = not a decode); pages: i32[S, P'] (P' a multiple
+    of chunk_pages). Returns f32[S, K, G, D], 0 for rows with kv_len 0.
+    """
+    n, kh, g, d = q.shape
+    bs = kc.shape[2]
+    ck = chunk_pages * bs
+    max_items = n * (pages.shape[1] // chunk_pages)
+    n_iter_max = -(-max_items // n)
+    cnt = (kv_len + ck - 1) // ck  # [S] items per sequence
+    end = jnp.cumsum(cnt)  # [S] exclusive end of each sequence's items
+    start = end - cnt
+    total = end[-1]
+    j = jnp.arange(ck, dtype=jnp.int32)
+    cols = jnp.arange(chunk_pages, dtype=jnp.int32)
+
+    def item_rows(idx):  # flat item ids -> (row, chunk, valid)
+        row = jnp.minimum(jnp.sum(idx[:, None] >= end[None, :], -1), n - 1)
+        return row, idx - start[row], idx < total
+
+    def body(it, carry):
+        m_buf, l_buf, acc_buf = carry
+        idx = it * n + jnp.arange(n, dtype=jnp.int32)  # [W] with W = S items per iteration
+        row, chunk, ok = item_rows(idx)
+        pg = pages[row[:, None], chunk[:, None] * chunk_pages + cols[None, :]]  # [W, cp]
+        pg = jnp.where(ok[:, None], pg, 0)
+        kpos = chunk[:, None] * ck + j[None, :]  # [W, CK]
+        key_ok = (kpos < kv_len[row][:, None]) & ok[:, None]  # [W, CK]
+        k = _gather_pages(kc, layer, pg)  # [W, CK, K, D]
+        v = _gather_pages(vc, layer, pg)
+        v = jnp.where(key_ok[:, :, None, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
+        qi = q[row].astype(jnp.float32)  # [W, K, G, D]
+        if multiply_sum:
+            s = jnp.sum(qi[:, None] * k[:, :, :, None, :].astype(jnp.float32), -1)  # [W, CK, K, G]
+            s = s.transpose(0, 2, 3, 1) * sm_scale  # [W, K, G, CK]
+        else:
+            s = jnp.einsum("wkgd,wckd->wkgc", qi, k, preferred_element_type=jnp.float32) * sm_scale
+        valid = key_ok[:, None, None, :]
+        s = jnp.where(valid, s, rpa.MASK_VALUE)
+        m = s.max(-1)  # [W, K, G]
+        p = jnp.where(valid, jnp.exp(s - m[..., None]), 0.0)
+        if multiply_sum:
+            pv = jnp.sum(p.transpose(0, 3, 1, 2)[..., None] * v[:, :, :, None, :].astype(jnp.float32),
+                         1)  # [W, K, G, D]
+        else:
+            pv = jnp.einsum("wkgc,wckd->wkgd", p, v.astype(jnp.float32),
+                            preferred_element_type=jnp.float32)
+        at = it * n
+        return (lax.dynamic_update_slice_in_dim(m_buf, m, at, 0),
+                lax.dynamic_update_slice_in_dim(l_buf, p.sum(-1), at, 0),
+                lax.dynamic_update_slice_in_dim(acc_buf, pv, at, 0))
+
+    nb = n_iter_max * n
+    init = (jnp.full((nb, kh, g), rpa.MASK_VALUE, jnp.float32), jnp.zeros((nb, kh, g), jnp.float32),
+            jnp.zeros((nb, kh, g, d), jnp.float32))
+    m_buf, l_buf, acc_buf = lax.fori_loop(0, (total + n - 1) // n, body, init)
+    # Merge the partial states per sequence; unused slots go to the extra segment n.
+    row, _, ok = item_rows(jnp.arange(nb, dtype=jnp.int32))
+    seg = jnp.where(ok, row, n)
+    m_row = jax.ops.segment_max(m_buf, seg, num_segments=n + 1)  # [S+1, K, G]
+    w = jnp.where(ok[:, None, None], jnp.exp(m_buf - m_row[seg]), 0.0)  # [NB, K, G]
+    l_row = jax.ops.segment_sum(l_buf * w, seg, num_segments=n + 1)[:n]
+    acc = jax.ops.segment_sum(acc_buf * w[..., None], seg, num_segments=n + 1)[:n]
+    return acc / jnp.where(l_row > 0.0, l_row, 1.0)[..., None]
 
 
 def _pad_pages(block_table, chunk_pages):
@@ -333,11 +396,9 @@ def _xla_attention(q, kc, vc, layer, md: AttentionMetadata, sm_scale: float):
     # Decode rows: one query per sequence slot, all slots batched.
     dcp = max(1, XLA_DECODE_CHUNK // bs)
     dq = qg[md.decode_token_idx]  # [S, K, G, D]
-    n_chunks = -(-jnp.max(md.decode_kv_len) // (dcp * bs))
-    row_pos = jnp.broadcast_to(md.decode_kv_len[:, None] - 1, (md.decode_kv_len.shape[0], g))
-    o_dec = _flash_chunks(dq, row_pos, md.decode_kv_len, _pad_pages(md.block_table, dcp),
-                          kc, vc, layer, sm_scale=sm_scale, chunk_pages=dcp,
-                          n_chunks=n_chunks, multiply_sum=True)  # [S, K, G, D]
+    o_dec = _decode_split_kv(dq, md.decode_kv_len, _pad_pages(md.block_table, dcp), kc, vc,
+                             layer, sm_scale=sm_scale, chunk_pages=dcp,
+                             multiply_sum=XLA_DECODE_MULSUM)  # [S, K, G, D]
     out = out.at[md.decode_token_idx].set(o_dec)
 
     # Prefill tiles, one at a time, each up to its own causal end.

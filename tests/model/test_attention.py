@@ -137,3 +137,29 @@ def test_bad_backend_and_shapes_raise():
         attn.attention(q, kc, kc, md, layer=0, sm_scale=1.0)
     with pytest.raises(ValueError, match="does not fit"):
         attn.attention(jnp.zeros((T, 5, D)), kc, kc, md, sm_scale=1.0)
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("mulsum", [True, False])
+def test_xla_split_kv_decode_many_items_per_row(monkeypatch, chunk, mulsum):
+    # Small KV chunks give rows of 1..8 split-KV work items (ragged, with padded slots and
+    # poisoned unused pages), so the item walk and the per-row merge are both exercised.
+    from tests.pallas.cases import random_batch as rb
+    monkeypatch.setattr(attn, "XLA_DECODE_CHUNK", chunk)
+    monkeypatch.setattr(attn, "XLA_DECODE_MULSUM", mulsum)
+    bs, p, s_pad = 16, 8, 8
+    q_lens, seq_lens = [1] * 6, [1, 15, 16, 17, 100, 128]
+    batch = rb(np.random.default_rng(3), q_lens=q_lens, seq_lens=seq_lens, num_tokens=8,
+               num_seqs=s_pad, max_blocks_per_seq=p, num_kv_blocks=72, block_size=bs,
+               num_heads=H, num_kv_heads=K, head_dim=D)
+    md = attn.make_attention_metadata(**batch.metadata_kwargs())
+    fn = jax.jit(lambda q, kc, vc, md: attn.attention(q, kc, vc, md, sm_scale=D ** -0.5))
+    out = np.asarray(fn(jnp.asarray(batch.q), jnp.asarray(batch.k_cache),
+                        jnp.asarray(batch.v_cache), jax.tree.map(jnp.asarray, md)))
+    ref = rpa.reference_ragged_paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens,
+        batch.block_table, batch.num_seqs, sm_scale=D ** -0.5)
+    n = batch.num_tokens
+    assert np.isfinite(out[:n]).all()
+    np.testing.assert_allclose(out[:n], ref[:n], atol=1e-5, rtol=1e-5)
+    assert np.all(out[n:] == 0.0)
