@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.llama import check_params, param_shapes
 
 
 class CheckpointError(ValueError):
@@ -36,20 +37,7 @@ MATRIX_LEAVES = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
 
 def expected_shapes(cfg: ModelConfig) -> dict:
     """Shapes of every leaf of the param tree for `cfg` (same nesting as the tree)."""
-    V, E, F, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    shapes = {
-        "embed": (V, E),
-        "layers": {
-            "attn_norm": (L, E), "wq": (L, E, H * D), "wk": (L, E, K * D), "wv": (L, E, K * D),
-            "wo": (L, H * D, E), "mlp_norm": (L, E), "w_gate": (L, E, F), "w_up": (L, E, F),
-            "w_down": (L, F, E),
-        },
-        "final_norm": (E,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (E, V)
-    return shapes
+    return param_shapes(cfg)
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -111,20 +99,10 @@ def stack_layers(cfg: ModelConfig, get: Callable[[int, str], np.ndarray], source
 
 def check_tree(cfg: ModelConfig, params: dict, source: Path) -> None:
     """Raise CheckpointError unless `params` has exactly the leaves/shapes of `cfg`."""
-    want = expected_shapes(cfg)
-
-    def walk(w, p, prefix):
-        if set(w) != set(p):
-            raise CheckpointError(f"{source}: param tree keys at '{prefix or '/'}' are {sorted(p)}, "
-                                  f"expected {sorted(w)}")
-        for k, v in w.items():
-            if isinstance(v, dict):
-                walk(v, p[k], f"{prefix}/{k}")
-            elif tuple(p[k].shape) != v:
-                raise CheckpointError(f"{source}: '{prefix}/{k}' has shape {tuple(p[k].shape)}, "
-                                      f"expected {v}")
-
-    walk(want, params, "")
+    try:
+        check_params(cfg, params)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
 
 
 def cast_tree(params: dict, dtype: str) -> dict:
