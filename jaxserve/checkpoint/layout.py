@@ -35,11 +35,6 @@ LAYER_LEAVES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up
 MATRIX_LEAVES = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
 
 
-def expected_shapes(cfg: ModelConfig) -> dict:
-    """Shapes of every leaf of the param tree for `cfg` (same nesting as the tree)."""
-    return param_shapes(cfg)
-
-
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Apply llama.cpp's Q/K row permutation (HF rotate_half -> GGML interleaved pairs).
 
@@ -82,7 +77,7 @@ def stack_layers(cfg: ModelConfig, get: Callable[[int, str], np.ndarray], source
     Raises:
       CheckpointError: a layer's array has the wrong shape.
     """
-    want = expected_shapes(cfg)["layers"]
+    want = param_shapes(cfg)["layers"]
     out = {}
     for name in LAYER_LEAVES:
         per_layer = []
