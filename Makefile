@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 MODEL := checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPTS ?= examples/prompts.jsonl
 
-.PHONY: setup model generate test test-fast fixtures clean-cache
+.PHONY: setup model generate test test-fast fixtures clean-cache fuzz soak
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PY312)" || { echo "error: Python 3.12 not found (tried python3.12 and ~/.pyenv/versions/3.12*)"; exit 1; }
@@ -42,6 +42,20 @@ test-fast: setup
 fixtures:
 	bash scripts/make_fixtures.sh
 
+# Long API fuzz (schemathesis, every route, positive + negative; `make test` runs 15 examples).
+fuzz: setup
+	JAXSERVE_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-400} $(PY) -m pytest -q -p no:cacheprovider tests/server/test_fuzz.py
+
+# Long soak of mixed traffic at a tiny-model server (`make test` runs a 1-minute profile).
+soak: setup
+	SOAK_MINUTES=$${SOAK_MINUTES:-15} SOAK_MAX_RSS_GROWTH=$${SOAK_MAX_RSS_GROWTH:-0.05} bash scripts/soak.sh
+
 # Converted-parameter cache and compile cache live under checkpoints/.
 clean-cache:
 	rm -rf checkpoints/params_cache checkpoints/jax_compile_cache
+
+# Side by side against llama.cpp's server (issue 11); not part of `make test`.
+# Builds llama.cpp once (~8 min), then 20-40 min of runs. ARGS='--profile=short' for a smoke test.
+.PHONY: bench-compare
+bench-compare: setup model
+	bash scripts/bench_vs_llamacpp.sh $(ARGS)

@@ -34,13 +34,18 @@ flags.DEFINE_enum("bucket_policy", "pow2", ["pow2", "pow2_linear"], "How token/s
 flags.DEFINE_integer("bucket_gap", 64, "Linear step of the pow2_linear policy.")
 flags.DEFINE_list("token_buckets", None, "Explicit token buckets (the last must equal max_num_batched_tokens).")
 flags.DEFINE_list("seq_buckets", None, "Explicit sequence buckets (the last must equal max_num_seqs).")
-flags.DEFINE_enum("attention_backend", "auto", ["auto", "xla", "pallas"], "Attention implementation.")
+flags.DEFINE_enum("attention_backend", "auto",
+                  ["auto", "xla", "pallas", "pallas_mosaic", "pallas_triton"],
+                  "Attention implementation: auto = Mosaic on CUDA cc 9.x, Triton on cc 8.x "
+                  "and >= 10, xla otherwise; pallas = the best Pallas kernel for the GPU.")
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse KV blocks of shared prompt prefixes.")
 flags.DEFINE_bool("unroll_layers", True, "Unroll the decoder layers in each step program: faster "
                   "steps on CPU, ~2.5x longer compiles (false: lax.scan over stacked weights).")
 flags.DEFINE_bool("static_batching", False, "Admit a batch and add nothing until all of it finishes.")
 flags.DEFINE_string("compile_cache_dir", "checkpoints/jax_compile_cache",
                     "Persistent JAX compilation cache ('' disables).")
+flags.DEFINE_string("params_cache_dir", "checkpoints/params_cache",
+                    "Converted-parameter cache ('' disables).")
 # ---- generate
 flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
 flags.DEFINE_string("prompts_file", None, "Prompts: .jsonl with 'prompt' (and optional 'max_tokens', 'id') "
@@ -63,6 +68,8 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
 flags.DEFINE_integer("port", 8000, "Port to bind.")
 flags.DEFINE_string("served_model_name", None, "Model name in the API (default: the file's stem).")
 flags.DEFINE_string("api_key", None, "Optional bearer token required on /v1 routes.")
+flags.DEFINE_integer("max_queued_requests", None, "Most requests waiting to be scheduled; past "
+                     "it new requests get 503 with Retry-After (default: unbounded).")
 
 
 def engine_args_from_flags() -> dict[str, Any]:
@@ -96,7 +103,8 @@ def build_engine():
 
     enable_compilation_cache(FLAGS.compile_cache_dir)
     path = resolve_model_path(FLAGS.model)
-    cfg, params, tokenizer = load_model(path, dtype=FLAGS.dtype)
+    cfg, params, tokenizer = load_model(path, dtype=FLAGS.dtype,
+                                        cache_dir=FLAGS.params_cache_dir or None)
     config = make_engine_config(cfg, **engine_args_from_flags())
     name = FLAGS.served_model_name or Path(path).stem
     return LLMEngine(config, params, tokenizer, model_name=name)
@@ -215,15 +223,18 @@ def cmd_serve() -> int:
     from jaxserve.server import serve
 
     serve(build_engine, host=FLAGS.host, port=FLAGS.port, api_key=FLAGS.api_key,
+          max_queued_requests=FLAGS.max_queued_requests,
           served_model_name=FLAGS.served_model_name)
     return 0
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
-    if not argv or argv[0] not in ("buckets", "serve"):
-        raise app.UsageError("usage: jaxserve bench buckets|serve [flags]")
+    if not argv or argv[0] not in ("buckets", "serve", "compare"):
+        raise app.UsageError("usage: jaxserve bench buckets|serve|compare [flags]")
     if argv[0] == "buckets":
         from jaxserve.bench.buckets import main as bench_main
+    elif argv[0] == "compare":
+        from jaxserve.bench.compare import main as bench_main
     else:
         from jaxserve.bench.serving import main as bench_main
     return int(bench_main(list(argv[1:])) or 0)

@@ -1,7 +1,7 @@
 """Frozen, validated configuration dataclasses.
 
 `ModelConfig` describes a Llama-family architecture (Llama 2 / Llama 3 /
-SmolLM); `CacheConfig` the paged KV pool; `SchedulerConfig` the token budget
+SmolLM, Mistral, Qwen2/Qwen2.5, Qwen3: `HF_FAMILIES`); `CacheConfig` the paged KV pool; `SchedulerConfig` the token budget
 and bucket choice; `EngineConfig` bundles them. Every field is validated on
 construction and a bad value raises `ValueError` naming the field and the
 limit it broke. No module here imports jax, so the scheduler can use them.
@@ -49,9 +49,73 @@ class RopeScaling:
                  f"{self.original_max_position_embeddings} must be > 0")
 
 
+# HF model_type -> (architecture class, the ModelConfig switches it implies).
+HF_FAMILIES: dict[str, tuple[str, dict[str, bool]]] = {
+    "llama": ("LlamaForCausalLM", {}),
+    "mistral": ("MistralForCausalLM", {}),
+    "qwen2": ("Qwen2ForCausalLM", {"attention_bias": True}),
+    "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True}),
+}
+
+
+def hf_family_switches(d: dict[str, Any]) -> dict[str, bool]:
+    """The `ModelConfig` switches of an HF config dict, after checking it is supported.
+
+    The sliding-window check is keyed on the window being in use, not on the
+    field being present (every Qwen2 config carries `sliding_window`), following
+    transformers: Qwen2/Qwen3 use it only with `use_sliding_window` true, and then
+    on the layers `layer_types` marks "sliding_attention" (when absent: layers >=
+    `max_window_layers`); Mistral uses it whenever `sliding_window` is not null.
+    A window no shorter than max_position_embeddings never masks anything and is
+    accepted.
+
+    Raises:
+      ValueError: unknown model_type/architecture, a sliding window in use,
+        o_proj/MLP biases (Llama/Qwen3 `attention_bias`, `mlp_bias`).
+    """
+    model_type = d.get("model_type", "llama")
+    if model_type not in HF_FAMILIES:
+        raise ValueError(f"unsupported architecture: model_type={model_type!r}, architectures="
+                         f"{d.get('architectures')!r} (supported model_type: {sorted(HF_FAMILIES)})")
+    arch, switches = HF_FAMILIES[model_type]
+    archs = d.get("architectures") or [arch]
+    if arch not in archs:
+        raise ValueError(f"unsupported architecture: model_type={model_type!r}, "
+                         f"architectures={archs!r} (expected {arch})")
+    window = d.get("sliding_window")
+    if model_type == "mistral":
+        in_use = window is not None
+    elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window") and window is not None:
+        types = d.get("layer_types")
+        in_use = ("sliding_attention" in types if types else
+                  int(d.get("max_window_layers", 0)) < int(d["num_hidden_layers"]))
+    else:
+        in_use = False
+    if in_use and int(window) < int(d.get("max_position_embeddings", 2048)):
+        raise ValueError(
+            f"{model_type} config uses sliding-window attention (sliding_window={window!r}, "
+            f"use_sliding_window={d.get('use_sliding_window')!r}, max_window_layers="
+            f"{d.get('max_window_layers')!r}): not supported by jaxserve's attention backends")
+    if model_type != "qwen2" and d.get("attention_bias"):
+        raise ValueError(f"{model_type} config has attention_bias=true (q/k/v/o biases): "
+                         "not supported (only Qwen2's q/k/v biases)")
+    if d.get("mlp_bias"):
+        raise ValueError(f"{model_type} config has mlp_bias=true: not supported")
+    return dict(switches)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (HF `LlamaConfig` field names).
+
+    One decoder serves Llama 2/3, SmolLM, Mistral, Qwen2/Qwen2.5 and Qwen3; the
+    families differ only in these switches:
+      attention_bias: q/k/v projections carry biases (Qwen2; the o projection never does).
+      qk_norm: per-head RMSNorm over head_dim on q and k, before RoPE (Qwen3).
+      head_dim: explicit, may differ from hidden_size / num_attention_heads (Qwen3, Mistral).
+    Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not
+    implemented in either attention backend; `from_hf_dict` rejects a config that
+    uses one.
 
     Shape letters used across the code: V=vocab_size, E=hidden_size,
     F=intermediate_size, L=num_hidden_layers, H=num_attention_heads,
@@ -72,6 +136,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    qk_norm: bool = False  # per-head q/k RMSNorm before RoPE (Qwen3)
     dtype: str = "float32"  # compute and parameter dtype: "float32" | "bfloat16"
 
     def __post_init__(self):
@@ -98,17 +164,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], *, dtype: str = "float32") -> "ModelConfig":
-        """Build from a parsed HF `config.json` (LlamaForCausalLM only).
+        """Build from a parsed HF `config.json` (the families of `HF_FAMILIES`).
 
         Raises:
-          ValueError: the architecture is not Llama, or a rope_scaling type is
-            unsupported.
+          ValueError: an unsupported architecture, a sliding window in use, a
+            feature the family's switches cannot express, or an unsupported
+            rope_scaling type.
         """
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
-        model_type = d.get("model_type", "llama")
-        if model_type != "llama" or not any(a == "LlamaForCausalLM" for a in archs):
-            raise ValueError(f"unsupported architecture: model_type={model_type!r}, "
-                             f"architectures={archs!r} (only LlamaForCausalLM)")
+        switches = hf_family_switches(d)
         h = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // h
         # transformers 5 moved rope settings to `rope_parameters`.
@@ -133,7 +196,7 @@ class ModelConfig:
             head_dim=head_dim, max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             rope_scaling=scaling, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype)
+            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype, **switches)
 
     @classmethod
     def tiny(cls, **kw: Any) -> "ModelConfig":
@@ -239,8 +302,9 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: Literal["auto", "xla", "pallas"] = "auto"
-    seed: int = 0
+    attention_backend: Literal["auto", "xla", "pallas", "pallas_mosaic", "pallas_triton"] = "auto"
+    # Run Pallas attention kernels in the Pallas interpreter (CPU tests of the GPU path).
+    attention_interpret: bool = False
     max_logprobs: int = 20
     # Unroll the decoder layers in the jitted step (per-layer weight buffers) instead of a
     # lax.scan over stacked weights: XLA:CPU copies each layer's weight slice out of the
@@ -248,8 +312,10 @@ class EngineConfig:
     unroll_layers: bool = True
 
     def __post_init__(self):
-        _require(self.attention_backend in ("auto", "xla", "pallas"),
-                 f"EngineConfig.attention_backend={self.attention_backend!r} must be auto|xla|pallas")
+        _require(self.attention_backend in ("auto", "xla", "pallas", "pallas_mosaic",
+                                            "pallas_triton"),
+                 f"EngineConfig.attention_backend={self.attention_backend!r} must be "
+                 f"auto|xla|pallas|pallas_mosaic|pallas_triton")
         _require(self.scheduler.max_model_len <= self.model.max_position_embeddings,
                  f"SchedulerConfig.max_model_len={self.scheduler.max_model_len} exceeds the model's "
                  f"max_position_embeddings={self.model.max_position_embeddings}")

@@ -140,13 +140,18 @@ class IncrementalDetokenizer:
                 return n
         return 0
 
-    def update(self, new_token_ids: Sequence[int], *, finished: bool) -> DetokenizerUpdate:
+    def update(self, new_token_ids: Sequence[int], *, finished: bool,
+               stop_terminated: bool = False) -> DetokenizerUpdate:
         """Append sampled ids; return the text that may be streamed now.
 
         Args:
           new_token_ids: ids sampled since the last call (may be empty).
           finished: the request ends after these ids for a reason other than a stop
             string (EOS, stop token, max_tokens, abort): flush all held-back text.
+          stop_terminated: the last of `new_token_ids` is the token that stopped the
+            request (EOS or a stop token id). Its text is left out of the output
+            unless `include_stop_str_in_output` (vLLM's detokenizer does the same);
+            the caller keeps the id in `token_ids`. Implies `finished`.
 
         Returns:
           DetokenizerUpdate. If `stop_string` is set the caller must finish the request.
@@ -160,6 +165,10 @@ class IncrementalDetokenizer:
                     f"update() got {len(new_token_ids)} ids after the request finished "
                     f"(stop_string={self._stop_string!r})")
             return DetokenizerUpdate("", None, True)
+        if stop_terminated:
+            finished = True
+            if not self._include_stop and new_token_ids:
+                new_token_ids = new_token_ids[:-1]
         old_len = len(self._text)
         self._ids.extend(int(t) for t in new_token_ids)
         self._text += self._advance(force=finished)

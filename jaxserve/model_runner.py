@@ -1,35 +1,42 @@
-"""Runs one scheduled step: bucket-shaped host arrays -> one jitted program.
+"""Runs one scheduled step: bucket-shaped host arrays -> one AOT-compiled program.
 
 Per step (DESIGN.md "Data flow of one engine step"): the scheduler's plan is
-flattened into NumPy arrays at the bucket shape (T_pad, S_pad), moved to the
-device with ONE `device_put`, run through the jitted step for that shape (the
-KV cache donated so XLA updates it in place), and the sampled ids come back
-with ONE device-to-host copy. Each (T_pad, S_pad) pair is compiled once at
-warm-up, the analogue of vLLM's CUDA-graph capture sizes; a compile after
-warm-up is counted and logged as a bug.
+laid out as NumPy arrays at the bucket shape (T_pad, S_pad) (`jaxserve.batch`),
+moved to the device with ONE `device_put` as a typed `StepBatch`, run through
+the compiled program for that shape (the KV cache donated so XLA updates it in
+place), and the sampled ids come back with ONE device-to-host copy.
+
+Programs are ahead-of-time executables (`jit(...).lower(...).compile()`),
+one per (T_pad, S_pad) pair, built at warm-up: the analogue of vLLM's
+CUDA-graph capture sizes. Holding them explicitly makes the accounting exact:
+each is counted as built by XLA or loaded from the persistent compile cache
+(jax's public `jax.monitoring` event '/jax/compilation_cache/cache_hits'), and
+a step whose shape has no program is a counted late compile, logged as the
+bug it is (or refused with `strict_compiles`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.batch import build_batch
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.model import attention
-from jaxserve.model.llama import check_params, forward_paged, unstack_layers
+from jaxserve.model.attention import AttentionBackend, CommonAttentionMetadata, get_attention_backend
+from jaxserve.model.llama import forward_paged, prepare_params
 from jaxserve.request import Request
-from jaxserve.sampler import SamplingRow, make_sampling_metadata, sample
-from jaxserve.scheduler.batch import build_batch
+from jaxserve.runner import RowError, RowResult, RunnerStats, SampledToken
+from jaxserve.sampler import SamplingMetadata, SamplingRow, make_sampling_metadata, sample
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
 
@@ -37,34 +44,35 @@ logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------ compile accounting
-class CompileCounter:
-    """Counts XLA backend compilations process-wide through `jax.monitoring`.
+class CacheHits:
+    """Persistent compile-cache hits seen by the calling thread (a `jax.monitoring` listener).
 
-    jax emits '/jax/core/compile/backend_compile_duration' once per program
-    actually compiled (a persistent-cache hit emits none), so the count is the
-    number of programs built and the sum is the seconds spent building them.
+    jax records '/jax/compilation_cache/cache_hits' in the thread that asked
+    for the executable, so a per-thread count read around one `.compile()`
+    says exactly whether that program was loaded rather than built, even
+    while another thread compiles.
     """
 
-    _EVENT = "/jax/core/compile/backend_compile_duration"
+    _EVENT = "/jax/compilation_cache/cache_hits"
+    _local = threading.local()
     _lock = threading.Lock()
-    count = 0
-    seconds = 0.0
     _installed = False
 
     @classmethod
     def install(cls) -> None:
         with cls._lock:
-            if cls._installed:
-                return
-            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
-            cls._installed = True
+            if not cls._installed:
+                jax.monitoring.register_event_listener(cls._on_event)
+                cls._installed = True
 
     @classmethod
-    def _on_event(cls, event: str, duration: float, **kw: Any) -> None:
+    def _on_event(cls, event: str, **kw: Any) -> None:
         if event == cls._EVENT:
-            with cls._lock:
-                cls.count += 1
-                cls.seconds += duration
+            cls._local.n = cls.count() + 1
+
+    @classmethod
+    def count(cls) -> int:
+        return getattr(cls._local, "n", 0)
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:
@@ -78,6 +86,9 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    from jaxserve import faults  # crash-safety tests: die mid-write when JAXSERVE_FAULT says so
+
+    faults.arm_compile_cache()
 
 
 # ------------------------------------------------------------ KV sizing
@@ -107,157 +118,6 @@ def resolve_num_kv_blocks(config: EngineConfig) -> int:
     return int(n)
 
 
-# ------------------------------------------------------------ the jitted step
-@dataclass(frozen=True)
-class SampledToken:
-    """One sampled token for one request: id, its raw logprob, and top alternatives."""
-
-    token_id: int
-    logprob: float
-    top_ids: np.ndarray      # i32[max_logprobs]
-    top_logprobs: np.ndarray  # f32[max_logprobs]
-
-
-def _step_fn(cfg: ModelConfig, backend: str, max_logprobs: int, params, kv_cache, batch):
-    """Pure step: forward over the padded batch, logits at logits_indices, sample."""
-    logits, kv_cache = forward_paged(cfg, params, batch["input_ids"], batch["positions"], kv_cache,
-                                     batch["attn"], batch["logits_indices"], backend=backend)
-    out = sample(logits, batch["sampling"], max_logprobs=max_logprobs)
-    return out, kv_cache
-
-
-class ModelRunner:
-    """Owns the device state (params, KV cache) and the per-bucket jitted step.
-
-    Args:
-      config: the engine config (model, cache, scheduler limits).
-      params: the parameter tree (see `jaxserve.model.llama`), any array type.
-      num_kv_blocks: pool size N; the cache is 2 x [L, N, B, K, D] in cfg.dtype.
-      bucket_policy: the (T_pad, S_pad) shapes this runner may be asked for.
-    """
-
-    def __init__(self, config: EngineConfig, params: dict[str, Any], *, num_kv_blocks: int,
-                 bucket_policy: BucketPolicy):
-        CompileCounter.install()
-        self.config = config
-        self.cfg = config.model
-        self.block_size = config.cache.block_size
-        self.num_kv_blocks = num_kv_blocks
-        self.max_blocks_per_seq = math.ceil(config.scheduler.max_model_len / self.block_size)
-        self.bucket_policy = bucket_policy
-        backend = config.attention_backend
-        self.backend = attention.default_backend() if backend == "auto" else backend
-        dt = jnp.dtype(self.cfg.dtype)
-        check_params(self.cfg, params)  # a clear ValueError now, not a tracing error at warm-up
-        if config.unroll_layers:
-            params = unstack_layers(params)  # host-side views when params are NumPy
-        self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, dt), params))
-        self.kv_cache = self._zero_kv_cache()
-        self._step = jax.jit(functools.partial(_step_fn, self.cfg, self.backend, config.max_logprobs),
-                             donate_argnums=(1,))
-        self.warmup_seconds = 0.0
-        self.warmup_programs = 0
-        self.compiles_at_warmup: int | None = None
-        self.num_steps = 0
-        self._warned_compiles = 0
-
-    def _zero_kv_cache(self) -> tuple[jax.Array, jax.Array]:
-        shape = (self.cfg.num_hidden_layers, self.num_kv_blocks, self.block_size,
-                 self.cfg.num_key_value_heads, self.cfg.head_dim)
-        dt = jnp.dtype(self.cfg.dtype)
-        return jnp.zeros(shape, dt), jnp.zeros(shape, dt)
-
-    def kv_cache_lost(self) -> bool:
-        """True when a failed step consumed the donated KV cache (its buffers are deleted)."""
-        return any(a.is_deleted() for a in self.kv_cache)
-
-    def reset_kv_cache(self) -> None:
-        """Fresh zeroed caches after a failure; every cached KV row is gone."""
-        self.kv_cache = self._zero_kv_cache()
-
-    # -------------------------------------------------------- host-side arrays
-    def _host_batch(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, Any]:
-        b = build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
-        md = attention.make_attention_metadata(
-            slot_mapping=b.slot_mapping, query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
-            block_table=b.block_table, num_seqs=b.num_seqs, block_size=self.block_size,
-            num_queries_per_kv=self.cfg.num_queries_per_kv)
-        rows: list[SamplingRow | None] = []
-        for sr in out.scheduled:
-            r = requests[sr.request_id]
-            rows.append(SamplingRow(params=r.sampling_params, seed=r.seed, output_pos=sr.output_pos,
-                                    prompt_token_ids=r.prompt_token_ids,
-                                    output_token_ids=r.output_token_ids,
-                                    eos_token_ids=r.eos_token_ids))
-        smd = make_sampling_metadata(rows, num_rows=out.seq_bucket,
-                                     max_model_len=self.config.scheduler.max_model_len)
-        return {"input_ids": b.input_ids, "positions": b.positions, "attn": md,
-                "logits_indices": b.logits_indices, "sampling": smd}
-
-    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, SampledToken]:
-        """Run one step; return the sampled token of each request with `sample=True`.
-
-        Args:
-          out: the scheduler's plan; requests: request_id -> Request for its rows.
-        Raises:
-          ValueError: a plan the bucket or block table cannot hold (from build_batch);
-          any device error of the step (the caller checks `kv_cache_lost()`).
-        """
-        if not out.scheduled:
-            return {}
-        host = self._host_batch(out, requests)
-        result, self.kv_cache = self._step(self.params, self.kv_cache, jax.device_put(host))
-        ids, lps, top_ids, top_lps = jax.device_get(
-            (result.token_ids, result.logprobs, result.top_ids, result.top_logprobs))
-        self.num_steps += 1
-        self._check_compiles()
-        return {sr.request_id: SampledToken(int(ids[i]), float(lps[i]), top_ids[i], top_lps[i])
-                for i, sr in enumerate(out.scheduled) if sr.sample}
-
-    # -------------------------------------------------------- warm-up
-    def warmup(self, *, progress: bool = True) -> None:
-        """Compile every (T_pad, S_pad) program the bucket policy can produce.
-
-        Each program runs once on an all-padding batch (every token writes to
-        the null block, no sequence is real), which has exactly the shapes
-        and pytree structure of a real step.
-        """
-        shapes = self.bucket_policy.all_shapes()
-        c0, t0 = CompileCounter.count, time.perf_counter()
-        for t_pad, s_pad in tqdm(shapes, desc="warm-up (compile buckets)", disable=not progress):
-            empty = SchedulerOutput(scheduled=(), num_scheduled_tokens=0, token_bucket=t_pad,
-                                    seq_bucket=s_pad, preempted_ids=(), finished_ids=(), step=-1)
-            host = self._host_batch(empty, {})
-            result, self.kv_cache = self._step(self.params, self.kv_cache, jax.device_put(host))
-            jax.block_until_ready(result.token_ids)
-        self.warmup_seconds = time.perf_counter() - t0
-        self.warmup_programs = len(shapes)
-        self.compiles_at_warmup = self._step._cache_size()
-        logger.info("warm-up: %d programs in %.1f s (%d compiled, the rest from the compile cache)",
-                    len(shapes), self.warmup_seconds, CompileCounter.count - c0)
-
-    @property
-    def num_compiles_after_warmup(self) -> int:
-        """Step programs traced and compiled since warm-up ended (the tests assert 0).
-
-        Counted from the jitted step's own cache, so other jitted code in the
-        process (tests, a second engine) does not count.
-        """
-        if self.compiles_at_warmup is None:
-            return 0
-        return self._step._cache_size() - self.compiles_at_warmup
-
-    def _check_compiles(self) -> None:
-        late = self.num_compiles_after_warmup
-        if late > self._warned_compiles:
-            logger.warning("%d program(s) compiled after warm-up: a bucket shape or pytree "
-                           "structure escaped warm-up", late)
-            self._warned_compiles = late
-
-    def kv_capacity_tokens(self) -> int:
-        return (self.num_kv_blocks - 1) * self.block_size
-
-
 def describe_capacity(config: EngineConfig, num_kv_blocks: int) -> str:
     """One line: KV capacity in blocks, tokens and max_model_len sequences."""
     tokens = (num_kv_blocks - 1) * config.cache.block_size
@@ -266,3 +126,202 @@ def describe_capacity(config: EngineConfig, num_kv_blocks: int) -> str:
     return (f"KV cache: {num_kv_blocks} blocks x {config.cache.block_size} tokens = {tokens} tokens "
             f"({mib:.1f} MiB), {seqs:.1f} concurrent sequences of max_model_len="
             f"{config.scheduler.max_model_len}")
+
+
+# ------------------------------------------------------------ the step
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """The step's inputs at bucket shape (T = T_pad, S = S_pad); NumPy leaves on the
+    host, device arrays after the one `device_put`."""
+
+    input_ids: Any  # i32[T] token ids; padding 0
+    positions: Any  # i32[T] position of each token; padding 0
+    attn_md: Any  # the attention backend's metadata (`backend.prepare`), a registered dataclass
+    logits_indices: Any  # i32[S] flat token index of each row's last token; padding 0
+    sampling: SamplingMetadata  # per-row sampling parameters, [S] leading axis
+
+
+def _step_fn(cfg: ModelConfig, backend: AttentionBackend, max_logprobs: int, params, kv_cache,
+             batch: StepBatch):
+    """Pure step: forward over the padded batch, logits at logits_indices, sample."""
+    logits, kv_cache = forward_paged(cfg, params, batch.input_ids, batch.positions, kv_cache,
+                                     batch.attn_md, batch.logits_indices, backend=backend)
+    out = sample(logits, batch.sampling, max_logprobs=max_logprobs)
+    return out, kv_cache
+
+
+class ModelRunner:
+    """The real `Runner`: device state (params, KV cache) and one AOT program per bucket.
+
+    Args:
+      config: the engine config (model, cache, scheduler limits, backend).
+      params: the canonical parameter tree (see `jaxserve.model.llama`), any array type.
+      bucket_policy: the (T_pad, S_pad) shapes this runner may be asked for.
+      strict_compiles: raise instead of compiling when a step after warm-up
+        needs a program warm-up did not build.
+
+    The pool size N is `config.cache.num_kv_blocks`, or what
+    `kv_cache_memory_bytes` holds; the cache is 2 x [L, N, B, K, D] in cfg.dtype.
+    """
+
+    def __init__(self, config: EngineConfig, params: Any, *, bucket_policy: BucketPolicy,
+                 strict_compiles: bool = False):
+        CacheHits.install()
+        self.config = config
+        self.cfg = config.model
+        self.block_size = config.cache.block_size
+        self.num_kv_blocks = resolve_num_kv_blocks(config)
+        logger.info(describe_capacity(config, self.num_kv_blocks))
+        self.max_blocks_per_seq = math.ceil(config.scheduler.max_model_len / self.block_size)
+        self.bucket_policy = bucket_policy
+        self.strict_compiles = strict_compiles
+        self.backend = get_attention_backend(config.attention_backend, self.cfg,
+                                             block_size=self.block_size,
+                                             interpret=config.attention_interpret)
+        self.params = prepare_params(self.cfg, params, unroll_layers=config.unroll_layers)
+        self.kv_cache = self._zero_kv_cache()
+        self._jit = jax.jit(functools.partial(_step_fn, self.cfg, self.backend, config.max_logprobs),
+                            donate_argnums=(1,))
+        self._programs: dict[tuple[int, int], Any] = {}  # (T_pad, S_pad) -> jax.stages.Compiled
+        self._warm = False
+        self._stats = RunnerStats()
+
+    def _zero_kv_cache(self) -> tuple[jax.Array, jax.Array]:
+        shape = (self.cfg.num_hidden_layers, self.num_kv_blocks, self.block_size,
+                 self.cfg.num_key_value_heads, self.cfg.head_dim)
+        dt = jnp.dtype(self.cfg.dtype)
+        return jnp.zeros(shape, dt), jnp.zeros(shape, dt)
+
+    def reset(self) -> bool:
+        """After a failed step: a fresh zeroed cache if the failure consumed the donated
+        one (its buffers are deleted); True then, since every cached KV row is gone."""
+        if not any(a.is_deleted() for a in self.kv_cache):
+            return False
+        self.kv_cache = self._zero_kv_cache()
+        return True
+
+    def stats(self) -> RunnerStats:
+        """Programs built / loaded / late, compile and warm-up seconds, steps per shape."""
+        return self._stats
+
+    # -------------------------------------------------------- host-side arrays
+    def _host_batch(self, out: SchedulerOutput, requests: Mapping[str, Request]
+                    ) -> tuple[StepBatch, dict[str, RowError]]:
+        """The step's host arrays, and the rows whose own host work failed."""
+        b = build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
+        common = CommonAttentionMetadata(slot_mapping=b.slot_mapping,
+                                         query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
+                                         block_table=b.block_table, num_seqs=b.num_seqs)
+        attn_md = self.backend.prepare(common)
+        sampling, errors = self._sampling_metadata(out, requests)
+        return StepBatch(input_ids=b.input_ids, positions=b.positions, attn_md=attn_md,
+                         logits_indices=b.logits_indices, sampling=sampling), errors
+
+    def _sampling_metadata(self, out: SchedulerOutput, requests: Mapping[str, Request]
+                           ) -> tuple[SamplingMetadata, dict[str, RowError]]:
+        """Sampling arrays for the plan's rows; a row that cannot be written fails alone.
+
+        The whole batch is built in one call; only when that raises is each
+        row tried by itself, and the failing ones become padding rows.
+        """
+        M = self.config.scheduler.max_model_len
+        rows: list[SamplingRow | None] = []
+        for sr in out.scheduled:
+            r = requests[sr.request_id]
+            rows.append(SamplingRow(params=r.sampling_params, seed=r.seed, output_pos=sr.output_pos,
+                                    prompt_token_ids=r.prompt_token_ids,
+                                    output_token_ids=r.output_token_ids,
+                                    eos_token_ids=r.eos_token_ids))
+        try:
+            return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M), {}
+        except Exception:  # find the rows at fault; the rest of the batch goes on
+            pass
+        errors: dict[str, RowError] = {}
+        for i, sr in enumerate(out.scheduled):
+            try:
+                make_sampling_metadata([rows[i]], num_rows=1, max_model_len=M)
+            except Exception as e:
+                errors[sr.request_id] = RowError(f"{type(e).__name__}: {e}")
+                rows[i] = None
+        return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M), errors
+
+    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, RowResult]:
+        """Run one step (see `jaxserve.runner.Runner.execute`).
+
+        Raises:
+          ValueError: a plan the bucket or block table cannot hold (from build_batch).
+          RuntimeError: with `strict_compiles`, a shape warm-up did not build.
+          Any device error of the step (the caller then calls `reset()`).
+        """
+        if not out.scheduled:
+            return {}
+        host, errors = self._host_batch(out, requests)
+        results: dict[str, RowResult] = dict(errors)
+        if len(errors) == len(out.scheduled):
+            return results  # nothing left to compute
+        program = self._program((out.token_bucket, out.seq_bucket))
+        res, self.kv_cache = program(self.params, self.kv_cache, jax.device_put(host))
+        ids, lps, top_ids, top_lps = jax.device_get(
+            (res.token_ids, res.logprobs, res.top_ids, res.top_logprobs))
+        st = self._stats
+        st.num_steps += 1
+        shape = (out.token_bucket, out.seq_bucket)
+        st.steps_by_shape[shape] = st.steps_by_shape.get(shape, 0) + 1
+        for i, sr in enumerate(out.scheduled):
+            if sr.sample and sr.request_id not in errors:
+                results[sr.request_id] = SampledToken(int(ids[i]), float(lps[i]), top_ids[i],
+                                                      top_lps[i])
+        return results
+
+    # -------------------------------------------------------- programs
+    def _build(self, shape: tuple[int, int]) -> Any:
+        """Lower and compile (or load from the persistent cache) the program of one shape."""
+        t_pad, s_pad = shape
+        empty = SchedulerOutput(scheduled=(), num_scheduled_tokens=0, token_bucket=t_pad,
+                                seq_bucket=s_pad, preempted_ids=(), finished_ids=(), step=-1)
+        host, _ = self._host_batch(empty, {})
+        t0, hits0 = time.perf_counter(), CacheHits.count()
+        program = self._jit.lower(self.params, self.kv_cache, host).compile()
+        st = self._stats
+        st.compile_seconds += time.perf_counter() - t0
+        if CacheHits.count() > hits0:
+            st.programs_loaded += 1
+        else:
+            st.programs_built += 1
+        self._programs[shape] = program
+        return program
+
+    def _program(self, shape: tuple[int, int]) -> Any:
+        program = self._programs.get(shape)
+        if program is not None:
+            return program
+        if self._warm:
+            self._stats.late_compiles += 1
+            if self.strict_compiles:
+                raise RuntimeError(f"no program for bucket shape (T_pad, S_pad)={shape}: warm-up "
+                                   f"built {sorted(self._programs)} (strict_compiles)")
+            logger.error("late compile: no warm-up program for bucket shape (T_pad, S_pad)=%s; "
+                         "a shape escaped BucketPolicy.all_shapes() (%d late so far)", shape,
+                         self._stats.late_compiles)
+        return self._build(shape)
+
+    def warmup(self, *, progress: bool = True) -> None:
+        """Build (or load) the program of every (T_pad, S_pad) the bucket policy can produce.
+
+        Each is lowered on an all-padding batch (every token writes to the null
+        block, no sequence is real), which has exactly the shapes and pytree
+        structure of a real step.
+        """
+        shapes = self.bucket_policy.all_shapes()
+        st = self._stats
+        built0, loaded0, t0 = st.programs_built, st.programs_loaded, time.perf_counter()
+        for shape in tqdm(shapes, desc="warm-up (compile buckets)", disable=not progress):
+            if shape not in self._programs:
+                self._build(shape)
+        self._warm = True
+        st.warmup_seconds = time.perf_counter() - t0
+        st.warmup_programs = len(shapes)
+        logger.info("warm-up: %d programs in %.1f s (%d compiled by XLA, %d loaded from the "
+                    "compile cache)", len(shapes), st.warmup_seconds, st.programs_built - built0,
+                    st.programs_loaded - loaded0)

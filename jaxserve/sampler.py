@@ -152,7 +152,9 @@ def make_sampling_metadata(
                 f"rows[{i}].eos_token_ids has {len(row.eos_token_ids)} ids, "
                 f"at most MAX_EOS_TOKEN_IDS={MAX_EOS_TOKEN_IDS}")
         temperature[i] = p.temperature
-        top_k[i] = p.top_k
+        # top_k >= V is "off" (the validator already turns it into 0); the clamp keeps a
+        # params object that skipped the validator from overflowing the int32 array.
+        top_k[i] = min(p.top_k, np.iinfo(np.int32).max)
         top_p[i] = p.top_p
         min_p[i] = p.min_p
         rng_key[i] = (row.seed >> 32, row.seed & 0xFFFFFFFF)

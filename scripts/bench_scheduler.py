@@ -21,10 +21,11 @@ import statistics
 import time
 from collections import Counter
 
+from jaxserve.bench.bucket_fit import expected_padded_tokens, fit_buckets
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.buckets import BucketPolicy, expected_padded_tokens, fit_buckets
+from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.scheduler.testing import FakeRunner
 

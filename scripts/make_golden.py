@@ -11,6 +11,14 @@ Writes:
   tiny_gguf/        the same kind of model as GGUF (F32 and Q8_0, Q/K rows
                     permuted as llama.cpp's convert_hf_to_gguf does) with
                     logits_<type>.npz computed by transformers from the GGUF.
+  tiny_<family>/    Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Mistral
+                    checkpoints from their own transformers classes: HF dir,
+                    logits.npz as above, and greedy.json (16 greedy tokens
+                    from two prompts, with the top-2 logit gap of each step).
+  tiny_qwen2_gguf/  the tiny Qwen2 as a GGUF with general.architecture "qwen2" (F32,
+                    biases as attn_{q,k,v}.bias, Q/K rows NOT permuted, as llama.cpp's
+                    Qwen2Model converter writes them) and logits_f32.npz computed by
+                    transformers from that GGUF.
   smollm2/          tokenizer_golden.json and greedy_golden.json for the real
                     SmolLM2-135M-Instruct Q4_1 GGUF, loaded by transformers
                     (gguf_file=..., which dequantizes to float32).
@@ -27,7 +35,9 @@ import gguf
 import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -54,6 +64,28 @@ GGUF_VARIANT = dict(vocab_size=67, hidden_size=64, intermediate_size=160, num_hi
                     num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                     tie_word_embeddings=False, rope_theta=10000.0)
 SEQ_LENS = (5, 9, 13)
+# Other families, each through its own transformers class. Qwen2 keeps hidden = H * D (its
+# attention derives head_dim from them) and carries `sliding_window` with
+# use_sliding_window=False, as every published Qwen2 config does; Qwen3 and Mistral take an
+# explicit head_dim that differs from hidden / H, so a wrong derivation fails.
+FAMILIES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM,
+              dict(vocab_size=73, hidden_size=56, intermediate_size=88, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                   rope_theta=1000000.0, use_sliding_window=False, sliding_window=32,
+                   max_window_layers=2, rms_norm_eps=1e-6)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM,
+              dict(vocab_size=77, hidden_size=44, intermediate_size=72, num_hidden_layers=2,
+                   num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                   tie_word_embeddings=True, rope_theta=1000000.0, attention_bias=False,
+                   use_sliding_window=False, sliding_window=None, rms_norm_eps=1e-6)),
+    "mistral": (MistralConfig, MistralForCausalLM,
+                dict(vocab_size=61, hidden_size=40, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=1, head_dim=12,
+                     tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None,
+                     rms_norm_eps=1e-5)),
+}
+GREEDY_PROMPTS = ("the cat sat on", "hello world, this is")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,11 +123,12 @@ def tiny_tokenizer(n: int) -> Tokenizer:
 # tiny HF models
 # ---------------------------------------------------------------------------------------------
 
-def tiny_model(kw: dict, seed: int) -> LlamaForCausalLM:
-    cfg = LlamaConfig(max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-                      attn_implementation="eager", **kw)
+def tiny_model(kw: dict, seed: int, config_cls=LlamaConfig, model_cls=LlamaForCausalLM):
+    kw = {"rms_norm_eps": 1e-5, **kw}
+    cfg = config_cls(max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                     attn_implementation="eager", **kw)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # not all-ones: a swapped norm must show
@@ -131,6 +164,64 @@ def write_tiny_hf(out: Path) -> None:
         print(f"wrote {d}: {sorted(p.name for p in d.iterdir())}")
 
 
+def greedy_for(model, tok: Tokenizer, steps: int = 16) -> list[dict]:
+    runs = []
+    for text in GREEDY_PROMPTS:
+        ids = tok.encode(text).ids
+        seq = torch.tensor([ids])
+        new, gaps = [], []
+        with torch.no_grad():
+            for _ in range(steps):  # plain full forwards: no cache, nothing to disagree about
+                last = model(seq).logits[0, -1].float()
+                top2 = torch.topk(last, 2).values
+                gaps.append(float(top2[0] - top2[1]))
+                nxt = int(torch.argmax(last))
+                new.append(nxt)
+                seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
+        runs.append({"prompt": text, "prompt_ids": ids, "greedy_ids": new, "top2_logit_gap": gaps})
+    return runs
+
+
+def write_tiny_families(out: Path) -> None:
+    for k, (name, (config_cls, model_cls, kw)) in enumerate(FAMILIES.items()):
+        d = out / f"tiny_{name}"
+        shutil.rmtree(d, ignore_errors=True)
+        model = tiny_model(kw, seed=300 + k, config_cls=config_cls, model_cls=model_cls)
+        model.save_pretrained(d, safe_serialization=True)
+        tok = tiny_tokenizer(kw["vocab_size"])
+        tok.save(str(d / "tokenizer.json"))
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML}, indent=1))
+        np.savez(d / "logits.npz", **logits_for(model, kw["vocab_size"], seed=17 + k))
+        (d / "greedy.json").write_text(json.dumps(
+            {"source": f"transformers {__import__('transformers').__version__} {model_cls.__name__}"
+                       ", float32, eager attention, greedy by full forwards",
+             "runs": greedy_for(model, tok)}, indent=1))
+        print(f"wrote {d}: {sorted(p.name for p in d.iterdir())}")
+        if name == "qwen2":
+            write_qwen2_gguf(out / "tiny_qwen2_gguf", model, kw["vocab_size"])
+
+
+def write_qwen2_gguf(d: Path, model, vocab: int) -> None:
+    """The tiny Qwen2 as an F32 "qwen2" GGUF, checked by transformers' own GGUF loader."""
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    fname = "tiny-qwen2-f32.gguf"
+    write_gguf(model, d / fname, gguf.GGMLQuantizationType.F32, arch="qwen2", pre="qwen2")
+    ref = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=fname, dtype=torch.float32,
+                                               attn_implementation="eager").eval()
+    assert type(ref).__name__ == "Qwen2ForCausalLM", type(ref).__name__
+    logits = logits_for(ref, vocab, seed=23)
+    src = logits_for(model, vocab, seed=23)
+    err = max(np.abs(src[k] - logits[k]).max() for k in src if k.startswith("logits"))
+    assert err < 1e-4, f"transformers' qwen2 GGUF load differs from the source model by {err}"
+    np.savez(d / "logits_f32.npz", **logits)
+    (d / "README.json").write_text(json.dumps(
+        {"config": FAMILIES["qwen2"][2], "source_max_abs_diff": float(err),
+         "reference": "transformers AutoModelForCausalLM.from_pretrained(gguf_file=...)"}, indent=1))
+    print(f"wrote {d}: {sorted(p.name for p in d.iterdir())}")
+
+
 # ---------------------------------------------------------------------------------------------
 # tiny GGUF (F32 and Q8_0)
 # ---------------------------------------------------------------------------------------------
@@ -146,18 +237,21 @@ def gguf_name(hf: str) -> str:
            "lm_head.weight": "output.weight"}
     if hf in top:
         return top[hf]
-    _, _, i, *rest = hf.split(".")
-    sub = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn_q",
-           "self_attn.k_proj.weight": "attn_k", "self_attn.v_proj.weight": "attn_v",
-           "self_attn.o_proj.weight": "attn_output", "post_attention_layernorm.weight": "ffn_norm",
-           "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up",
-           "mlp.down_proj.weight": "ffn_down"}[".".join(rest)]
-    return f"blk.{i}.{sub}.weight"
+    _, _, i, *rest, kind = hf.split(".")  # kind: "weight" | "bias" (Qwen2's q/k/v)
+    sub = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+           "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+           "mlp.down_proj": "ffn_down"}[".".join(rest)]
+    return f"blk.{i}.{sub}.{kind}"
 
 
-def write_gguf(model: LlamaForCausalLM, path: Path, qtype: gguf.GGMLQuantizationType) -> None:
+def write_gguf(model, path: Path, qtype: gguf.GGMLQuantizationType, arch: str = "llama",
+               pre: str = "gpt2") -> None:
+    """Write `model` as llama.cpp's converter would: only arch "llama" permutes Q/K rows."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("jaxserve-tiny")
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -165,16 +259,16 @@ def write_gguf(model: LlamaForCausalLM, path: Path, qtype: gguf.GGMLQuantization
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(c.rope_theta if hasattr(c, "rope_theta") else c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == gguf.GGMLQuantizationType.Q8_0
                     else gguf.LlamaFileType.ALL_F32)
     tokens, merges = tiny_vocab(c.vocab_size)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
     w.add_token_merges(merges)
@@ -183,9 +277,9 @@ def write_gguf(model: LlamaForCausalLM, path: Path, qtype: gguf.GGMLQuantization
     w.add_chat_template(CHATML)
     for name, p in model.state_dict().items():
         a = p.float().numpy()
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             a = llama_cpp_permute(a, c.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             a = llama_cpp_permute(a, c.num_key_value_heads)
         if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             q = gguf.quants.quantize(a, qtype)
@@ -320,12 +414,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/fixtures")
     ap.add_argument("--model", default="checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf")
-    ap.add_argument("--only", choices=["tiny", "gguf", "smollm2"], default=None)
+    ap.add_argument("--only", choices=["tiny", "families", "gguf", "smollm2"], default=None)
     a = ap.parse_args()
     out = Path(a.out)
     torch.set_num_threads(2)
     if a.only in (None, "tiny"):
         write_tiny_hf(out)
+    if a.only in (None, "families"):
+        write_tiny_families(out)
     if a.only in (None, "gguf"):
         write_tiny_gguf(out)
     if a.only in (None, "smollm2"):

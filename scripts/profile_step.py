@@ -133,8 +133,7 @@ def main() -> None:
     ctxs = [int(x) for x in args.ctx.split(",")]
     skip = set(args.skip.split(","))
 
-    from jaxserve.model import attention
-    from jaxserve.model.llama import compute_logits, forward_paged, paged_attn, run_layers
+    from jaxserve.model.llama import compute_logits, forward_paged, run_layers
     from jaxserve.sampler import make_sampling_metadata, sample
     from jaxserve.sampling_params import SamplingParams
 
@@ -152,19 +151,17 @@ def main() -> None:
 
     def variant_fn(mode, params, kv, batch):
         md = batch["attn"]
-        full = paged_attn(cfg, md, backend=runner.backend)
 
         def attn(q, k, v, carry, layer):
             if mode == "noattn":
                 return q, carry
             if mode == "altattn":  # attention from another implementation (--alt_attention)
                 kc, vc = alt_attention.write_kv(carry[0], carry[1], k, v, md, layer=layer,
-                                                backend=runner.backend)
+                                                backend=runner.backend.name)
                 o = alt_attention.attention(q, kc, vc, md, layer=layer, sm_scale=cfg.head_dim ** -0.5,
-                                            backend=runner.backend)
+                                            backend=runner.backend.name)
                 return o, (kc, vc)
-            kc, vc = attention.write_kv(carry[0], carry[1], k, v, md, layer=layer,
-                                        backend=runner.backend)
+            kc, vc = runner.backend.write_kv(carry[0], carry[1], k, v, md, layer=layer)
             return q, (kc, vc)
 
         hidden, kv = run_layers(cfg, params, batch["input_ids"], batch["positions"], attn, kv)
@@ -195,9 +192,9 @@ def main() -> None:
 
         def attn(q, k, v, carry, layer):
             kc, vc = alt_attention.write_kv(carry[0], carry[1], k, v, md, layer=layer,
-                                            backend=runner.backend)
+                                            backend=runner.backend.name)
             o = alt_attention.attention(q, kc, vc, md, layer=layer, sm_scale=cfg.head_dim ** -0.5,
-                                        backend=runner.backend)
+                                        backend=runner.backend.name)
             return o, (kc, vc)
 
         hidden, kv = run_layers(cfg, params, batch["input_ids"], batch["positions"], attn, kv)

@@ -50,11 +50,11 @@ def tiny_params(seed: int = 0, init_std: float = 0.3, **cfg_kw):
     from flax import nnx
 
     from jaxserve.config import ModelConfig
-    from jaxserve.model.llama import Llama
+    from jaxserve.model.llama import Llama, canonical_params
 
     cfg = ModelConfig.tiny(**dict(cfg_kw))
     model = Llama(cfg, rngs=nnx.Rngs(seed), init_std=init_std)
-    return cfg, jax.tree.map(np.asarray, model.param_tree())
+    return cfg, jax.tree.map(np.asarray, canonical_params(model))
 
 
 _ENGINES: dict = {}

@@ -44,8 +44,8 @@ from jaxserve.bench.replay import ReplayResult, StepCost, dry_run, prompt_ids_fo
 from jaxserve.bench.traces import (TraceRequest, load_default_tokenizer, load_trace,
                                    synthetic_trace)
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.scheduler.buckets import (BucketPolicy, fit_buckets, pow2_buckets,
-                                        pow2_linear_buckets)
+from jaxserve.bench.bucket_fit import fit_buckets
+from jaxserve.scheduler.buckets import BucketPolicy, pow2_buckets, pow2_linear_buckets
 
 DEFAULT_POLICIES = "single,pow2:8,pow2:1,pow2_linear:64,pow2_linear:32,fit:2,fit:4,fit:6,fit:8"
 THROUGHPUT_TOLERANCE = 0.02
@@ -201,24 +201,24 @@ def _real_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.model_runner import CompileCounter, enable_compilation_cache
+    from jaxserve.model_runner import enable_compilation_cache
 
     enable_compilation_cache(spec["cache_dir"])
-    CompileCounter.install()
     cfg, params, tok = load_model(resolve_model_path(spec["model"]), dtype=spec["dtype"])
     config = make_engine_config(cfg, **spec["engine_args"])
     res: dict[str, Any] = {}
     for phase in ("cold", "cached"):
-        c0 = CompileCounter.count
         eng = LLMEngine(config, params, tok, progress=False)
-        res[f"warmup_{phase}_s"] = eng.runner.warmup_seconds
-        res[f"backend_compiles_{phase}"] = CompileCounter.count - c0
+        st = eng.runner.stats()
+        res[f"warmup_{phase}_s"] = st.warmup_seconds
+        res[f"backend_compiles_{phase}"] = st.programs_built  # the rest came from the cache
+        res[f"programs_loaded_{phase}"] = st.programs_loaded
         if phase == "cold":
             del eng
     rows = [TraceRequest(**r) for r in spec["rows"]]
     r = engine_run(eng, rows, respect_arrivals=spec["respect_arrivals"])
     res.update(r.summary())
-    res["compiles_after_warmup"] = eng.runner.num_compiles_after_warmup
+    res["compiles_after_warmup"] = eng.runner.stats().late_compiles
     return res
 
 

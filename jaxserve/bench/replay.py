@@ -3,9 +3,9 @@
 Both paths return a `ReplayResult` with the same fields, so bucket policies
 and batching modes are compared on one footing:
 
-- `dry_run`: the real `Scheduler` and `BucketPolicy`, and a fake runner that
-  samples a fixed token for every row that samples (JetStream's mock-engine
-  idea). Steps, the tokens-per-step histogram and the padding are exactly
+- `dry_run`: the real `Scheduler` and `BucketPolicy`, driven by the one
+  `FakeRunner` sampling a fixed token for every row that samples (JetStream's
+  mock-engine idea). Steps, the tokens-per-step histogram and the padding are exactly
   those of the engine when every request is present from the start
   (`respect_arrivals=False`); with arrivals the clock is a step-cost model
   (`StepCost`), so TTFT/TPOT/throughput are modeled, not measured.
@@ -33,6 +33,7 @@ from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler
+from jaxserve.scheduler.testing import FakeRunner
 
 FAKE_TOKEN = 5  # what the fake runner samples; runs ignore EOS, so any id works
 
@@ -193,7 +194,7 @@ def dry_run(rows: Sequence[TraceRequest], prompt_ids: Sequence[Sequence[int]],
             policy: BucketPolicy | None = None, cost: StepCost = StepCost(),
             respect_arrivals: bool = True, slots: int | None = None,
             on_step: Callable[[Any], None] | None = None) -> ReplayResult:
-    """Replay `rows` through the real Scheduler with a fake runner; no model runs.
+    """Replay `rows` through the real Scheduler with the `FakeRunner`; no model runs.
 
     Args:
       rows / prompt_ids: the trace and each request's prompt ids.
@@ -206,62 +207,54 @@ def dry_run(rows: Sequence[TraceRequest], prompt_ids: Sequence[Sequence[int]],
 
     Raises:
       ValueError: the scheduler rejects a request (prompt too long for
-        max_model_len, more blocks than the pool), or a schedule makes no
-        progress for 1000 consecutive calls (a livelock would be a bug).
+        max_model_len, more blocks than the pool).
+      RuntimeError: the run does not finish within FakeRunner.run's step guard
+        (a livelock would be a bug).
     """
     policy = policy or BucketPolicy.from_config(sched_cfg)
     policy.reset_stats()
     sched = Scheduler(sched_cfg, cache_cfg, bucket_policy=policy)
-    order = sorted(range(len(rows)), key=lambda i: rows[i].arrival_s if respect_arrivals else 0.0)
-    pending = deque(order)
-    clock, hist = 0.0, Counter()
-    steps = row_steps = empty_run = out_tokens = seqs_real = seqs_pad = 0
-    arrival: dict[str, float] = {}
-    times: dict[str, list[float]] = {}
+    arrivals = [(r.arrival_s if respect_arrivals else 0.0,
+                 Request(r.id, prompt_ids[i], _sampling(r.max_tokens), eos_token_ids=(2,),
+                         arrival_time=r.arrival_s if respect_arrivals else 0.0))
+                for i, r in enumerate(rows)]
+    arrival = {req.request_id: t for t, req in arrivals}
+    hist: Counter = Counter()
+    acc = {"steps": 0, "rows": 0, "seqs_real": 0, "seqs_pad": 0}
+    times: dict[str, list[float]] = {rid: [] for rid in arrival}
     res_ttft, res_tpot, res_e2el, ttft_by_id = [], [], [], {}
-    width = slots or sched_cfg.max_num_seqs
-    while pending or sched.has_unfinished_requests():
-        while pending and (not respect_arrivals or rows[pending[0]].arrival_s <= clock):
-            i = pending.popleft()
-            r = rows[i]
-            t_arr = r.arrival_s if respect_arrivals else 0.0
-            sched.add_request(Request(r.id, prompt_ids[i], _sampling(r.max_tokens),
-                                      eos_token_ids=(2,), arrival_time=t_arr))
-            arrival[r.id], times[r.id] = t_arr, []
-        if not sched.has_unfinished_requests():
-            clock = max(clock, rows[pending[0]].arrival_s)
-            continue
-        out = sched.schedule()
+
+    def note(res) -> None:
+        out = res.out
         if out.is_empty:
-            empty_run += 1
-            if empty_run > 1000:
-                raise ValueError("dry run: 1000 empty schedules in a row (scheduler livelock)")
-            continue
-        empty_run = 0
-        steps += 1
+            return
+        acc["steps"] += 1
         hist[out.num_scheduled_tokens] += 1
-        seqs_real += out.num_seqs
-        seqs_pad += out.seq_bucket
-        clock += cost.seconds(out.token_bucket, out.seq_bucket)
-        sampled = {sr.request_id: FAKE_TOKEN for sr in out.scheduled if sr.sample}
-        row_steps += len(sampled)
-        out_tokens += len(sampled)
-        for rid in sampled:
-            times[rid].append(clock)
+        acc["seqs_real"] += out.num_seqs
+        acc["seqs_pad"] += out.seq_bucket
+        acc["rows"] += len(res.sampled)
+        for rid in res.sampled:
+            times[rid].append(res.clock)
         if on_step is not None:
             on_step(out)
-        for req in sched.update_from_output(out, sampled):
+        for req in res.finished:
             t = times.pop(req.request_id)
             ttft_by_id[req.request_id] = t[0] - arrival[req.request_id]
             res_ttft.append(t[0] - arrival[req.request_id])
             res_e2el.append(t[-1] - arrival[req.request_id])
             if len(t) > 1:
                 res_tpot.append((t[-1] - t[0]) / (len(t) - 1))
+
+    runner = FakeRunner(sched, token_fn=lambda req, pos: FAKE_TOKEN, on_step=note)
+    runner.run(arrivals, max_steps=10**8,
+               step_time=lambda out: cost.seconds(out.token_bucket, out.seq_bucket)
+               if out.scheduled else 0.0)
+    steps, width = acc["steps"], slots or sched_cfg.max_num_seqs
     t_first = min(arrival.values()) if arrival else 0.0
-    return ReplayResult("dry_run", len(rows), out_tokens, clock - t_first, steps, policy.stats(),
-                        hist, row_steps, steps * width, sched.num_preemptions, real_seqs=seqs_real,
-                        padded_seqs=seqs_pad, ttft=res_ttft, tpot=res_tpot, e2el=res_e2el,
-                        ttft_by_id=ttft_by_id)
+    return ReplayResult("dry_run", len(rows), acc["rows"], runner.clock - t_first, steps,
+                        policy.stats(), hist, acc["rows"], steps * width, sched.num_preemptions,
+                        real_seqs=acc["seqs_real"], padded_seqs=acc["seqs_pad"], ttft=res_ttft,
+                        tpot=res_tpot, e2el=res_e2el, ttft_by_id=ttft_by_id)
 
 
 @contextlib.contextmanager

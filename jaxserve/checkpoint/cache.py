@@ -10,7 +10,10 @@ dir's key hashes config/tokenizer files and every *.safetensors / index file
 digests are memoized in `<cache_dir>/hashes.json` by (resolved path, size,
 mtime_ns): an edited file changes size or mtime and is re-hashed. Entries are
 written to a temporary directory and renamed into place, so a crash never
-leaves a half entry under the final name. Clear with `make clean-cache`.
+leaves a half entry under the final name; temporary entries of dead processes
+are removed by the next save, and a damaged entry or hash memo is rebuilt,
+never a crash (tests/test_crash_safety.py kills the process at the fault
+points of `jaxserve.faults`). Clear with `make clean-cache`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import shutil
 from pathlib import Path
 
+from jaxserve import faults
 from jaxserve.checkpoint.layout import check_tree
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig, RopeScaling
@@ -53,10 +57,13 @@ def file_digest(path: Path, cache_dir: Path | None) -> str:
     if cache_dir is not None and _memo_path(cache_dir).is_file():
         try:
             memo = json.loads(_memo_path(cache_dir).read_text())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             memo = {}  # a damaged memo only costs a re-hash
+    if not isinstance(memo, dict):
+        memo = {}
     hit = memo.get(key)
-    if hit and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
+    if (isinstance(hit, dict) and hit.get("size") == st.st_size
+            and hit.get("mtime_ns") == st.st_mtime_ns and isinstance(hit.get("sha256"), str)):
         return hit["sha256"]
     digest = _file_sha256(path)
     if cache_dir is not None:
@@ -116,18 +123,44 @@ def restore(entry: Path) -> tuple[ModelConfig, dict, Tokenizer] | None:
         return None
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _remove_stale_tmp(entry: Path) -> None:
+    """Delete `<entry>.tmp<pid>` dirs left by processes that died mid-save."""
+    for tmp in entry.parent.glob(f"{entry.name}.tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[-1]
+        if not pid.isdigit() or not _pid_alive(int(pid)):
+            log.info("removing stale params-cache temporary %s", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save(entry: Path, cfg: ModelConfig, params: dict, tok: Tokenizer) -> None:
-    """Write an entry atomically (temp dir + rename); keep an entry another process wrote."""
+    """Write an entry atomically (temp dir + rename); keep an entry another process wrote.
+
+    Fault points (jaxserve.faults): params_cache_write after the params,
+    params_cache_rename before the rename.
+    """
     import orbax.checkpoint as ocp
 
     entry.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(entry)
     tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save((tmp / "params").resolve(), params)
+    faults.crash_point("params_cache_write")
     meta = {"config": dataclasses.asdict(cfg), "tokenizer": tok.to_state()}
     (tmp / "meta.json").write_text(json.dumps(meta))
+    faults.crash_point("params_cache_rename")
     try:
         os.rename(tmp, entry)
     except OSError:  # another process won the race: its entry is as good as ours

@@ -2,8 +2,12 @@
 
 Reads with `gguf.GGUFReader` (memory-mapped) and dequantizes with
 `gguf.quants.dequantize` to float32. GGUF stores each matrix as ggml
-`ne = [in, out]`, which NumPy sees as [out, in] (HF layout); attn_q/attn_k rows
-carry llama.cpp's RoPE permutation, undone with `layout.unpermute_qk`.
+`ne = [in, out]`, which NumPy sees as [out, in] (HF layout). Architectures
+(`general.architecture`, metadata keys prefixed with it): "llama" (also what
+llama.cpp writes for Mistral), whose attn_q/attn_k rows carry llama.cpp's RoPE
+permutation, undone with `layout.unpermute_qk`; "qwen2" (q/k/v biases) and
+"qwen3" (attn_q_norm/attn_k_norm), which llama.cpp's convert_hf_to_gguf.py does
+not permute (they run with NEOX-style, i.e. rotate_half, RoPE).
 """
 
 from __future__ import annotations
@@ -30,9 +34,17 @@ GGUF_LAYER_NAMES = {
     "wo": "blk.{i}.attn_output.weight", "mlp_norm": "blk.{i}.ffn_norm.weight",
     "w_gate": "blk.{i}.ffn_gate.weight", "w_up": "blk.{i}.ffn_up.weight",
     "w_down": "blk.{i}.ffn_down.weight",
+    "bq": "blk.{i}.attn_q.bias", "bk": "blk.{i}.attn_k.bias", "bv": "blk.{i}.attn_v.bias",
+    "q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
 }
 GGUF_TOP_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
                   "lm_head": "output.weight"}
+# general.architecture -> (ModelConfig switches, Q/K rows permuted by llama.cpp's converter).
+GGUF_ARCHS: dict[str, tuple[dict[str, bool], bool]] = {
+    "llama": ({}, True),
+    "qwen2": ({"attention_bias": True}, False),
+    "qwen3": ({"qk_norm": True}, False),
+}
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -65,23 +77,24 @@ def read_fields(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
 
 def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], path: Path, *,
                      dtype: str = "float32") -> ModelConfig:
-    """Build a ModelConfig from GGUF metadata (llama.* keys, tokenizer.ggml.* ids).
+    """Build a ModelConfig from GGUF metadata (`<arch>.*` keys, tokenizer.ggml.* ids).
 
     Raises:
-      CheckpointError: not `general.architecture == "llama"`, a required key
-        missing, or a feature jaxserve lacks (partial rotary, non-llama3 rope scaling).
+      CheckpointError: `general.architecture` not in GGUF_ARCHS, a required key
+        missing, or a feature jaxserve lacks (partial rotary, non-llama3 rope
+        scaling, a sliding window).
     """
     arch = fields.get("general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_ARCHS:
         raise CheckpointError(f"{path}: unsupported architecture general.architecture={arch!r} "
-                              "(only 'llama')")
+                              f"(supported: {sorted(GGUF_ARCHS)})")
 
     def key(k: str, default: Any = KeyError) -> Any:
-        v = fields.get(f"llama.{k}", default)
+        v = fields.get(f"{arch}.{k}", default)
         if v is KeyError:
-            raise CheckpointError(f"{path}: GGUF metadata lacks required key 'llama.{k}'")
+            raise CheckpointError(f"{path}: GGUF metadata lacks required key '{arch}.{k}'")
         if isinstance(v, list):
-            raise CheckpointError(f"{path}: per-layer 'llama.{k}' is not supported")
+            raise CheckpointError(f"{path}: per-layer '{arch}.{k}' is not supported")
         return v
 
     E, H = int(key("embedding_length")), int(key("attention.head_count"))
@@ -94,6 +107,10 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], path: Path,
     if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
         raise CheckpointError(f"{path}: rope scaling {scaling!r} / rope_freqs tensor is not supported "
                               "from GGUF (load the HF checkpoint for llama3 rope scaling)")
+    window = int(key("attention.sliding_window", 0) or 0)
+    if 0 < window < int(key("context_length", 2048)):
+        raise CheckpointError(f"{path}: {arch}.attention.sliding_window={window}: sliding-window "
+                              "attention is not supported by jaxserve's attention backends")
     tokens = fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else int(key("vocab_size"))
     eos = [fields.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
@@ -107,7 +124,8 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], path: Path,
             rope_theta=float(key("rope.freq_base", 10000.0)),
             tie_word_embeddings=GGUF_TOP_NAMES["lm_head"] not in tensor_names,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)), dtype=dtype)
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)), dtype=dtype,
+            **GGUF_ARCHS[arch][0])
     except ValueError as e:
         raise CheckpointError(f"{path}: invalid model metadata: {e}") from e
 
@@ -137,10 +155,14 @@ def load_gguf_params(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, *,
                      progress: bool = True) -> dict:
     """Dequantize every tensor into the float32 param tree ([in, out], layers stacked).
 
+    Q/K rows are un-permuted only for the "llama" architecture (see GGUF_ARCHS).
+
     Raises:
       CheckpointError: missing / unexpected tensors, wrong shapes, unsupported types.
     """
     by_name = {t.name: t for t in reader.tensors}
+    arch = reader.fields["general.architecture"].contents()
+    permuted = GGUF_ARCHS[arch][1]
     used: set[str] = set()
     bar = tqdm(total=len(by_name), desc=f"dequantizing {path.name}", unit="tensor",
                disable=not progress, leave=False)
@@ -155,9 +177,9 @@ def load_gguf_params(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, *,
 
     def layer(i: int, leaf: str) -> np.ndarray:
         a = take(GGUF_LAYER_NAMES[leaf].format(i=i))
-        if leaf == "wq":
+        if permuted and leaf == "wq":
             a = unpermute_qk(a, cfg.num_attention_heads)
-        elif leaf == "wk":
+        elif permuted and leaf == "wk":
             a = unpermute_qk(a, cfg.num_key_value_heads)
         return a if a.ndim == 1 else np.ascontiguousarray(a.T)  # [out, in] -> [in, out]
 
@@ -170,7 +192,7 @@ def load_gguf_params(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, *,
         bar.close()
     extra = sorted(set(by_name) - used)
     if extra:
-        raise CheckpointError(f"{path}: unexpected tensors for a llama GGUF: {extra[:8]}")
+        raise CheckpointError(f"{path}: unexpected tensors for a {arch} GGUF: {extra[:8]}")
     check_tree(cfg, params, path)
     return params
 

@@ -1,10 +1,14 @@
-"""Load a Hugging Face Llama checkpoint directory into the jaxserve param tree.
+"""Load a Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoint directory into the
+jaxserve param tree.
 
-Reads config.json (-> `ModelConfig.from_hf_dict`), `model.safetensors` or the
+Reads config.json (-> `ModelConfig.from_hf_dict`, which checks the architecture
+against `jaxserve.config.HF_FAMILIES` and rejects sliding windows in use), `model.safetensors` or the
 shards listed in `model.safetensors.index.json` (safetensors' NumPy API), and
 maps HF names to the tree through ONE table, `hf_name`. HF `nn.Linear`
 weights are [out, in]; the tree stores [in, out], so matrices are transposed.
-HF q/k rows are already in rotate_half layout: no permutation here.
+HF q/k rows are already in rotate_half layout: no permutation here. Qwen2's
+q/k/v biases and Qwen3's per-head q/k norms map to the optional leaves
+bq/bk/bv and q_norm/k_norm, read only when the config switches them on.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ HF_LAYER_NAMES = {
     "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
     "w_up": "model.layers.{i}.mlp.up_proj.weight",
     "w_down": "model.layers.{i}.mlp.down_proj.weight",
+    "bq": "model.layers.{i}.self_attn.q_proj.bias",  # Qwen2
+    "bk": "model.layers.{i}.self_attn.k_proj.bias",
+    "bv": "model.layers.{i}.self_attn.v_proj.bias",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",  # Qwen3
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
 }
 HF_TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
                 "lm_head": "lm_head.weight"}
@@ -52,7 +61,8 @@ def load_hf_config(directory: str | Path, *, dtype: str = "float32") -> ModelCon
     """config.json (+ generation_config.json eos ids) -> ModelConfig.
 
     Raises:
-      CheckpointError: config.json missing/unparsable or not a Llama architecture.
+      CheckpointError: config.json missing/unparsable, an unsupported architecture, or
+        a sliding window in use (the message names the file and the fields).
     """
     d = Path(directory)
     path = d / "config.json"
@@ -168,7 +178,8 @@ def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source:
         params["lm_head"] = np.ascontiguousarray(take(hf_name("lm_head")).T)
     extra = sorted(n for n in tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES))
     if extra:
-        raise CheckpointError(f"{source}: unexpected tensors for a Llama checkpoint: {extra[:8]}")
+        raise CheckpointError(f"{source}: unexpected tensors for the architecture in "
+                              f"config.json: {extra[:8]}")
     check_tree(cfg, params, source)
     return params
 

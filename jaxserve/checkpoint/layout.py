@@ -1,4 +1,8 @@
-"""The jaxserve parameter tree and the conversions into it.
+"""The canonical parameter tree (the state of `jaxserve.model.llama.Llama`) and the
+conversions into it.
+
+Loaders build it as host NumPy and the params cache stores it; only
+`jaxserve.model.llama.prepare_params` turns it into the engine layout.
 
 Param tree (numpy arrays; matrices stored [in, out] so the forward is `x @ w`;
 layers stacked on a leading L axis so the forward can `scan` over them):
@@ -10,9 +14,15 @@ layers stacked on a leading L axis so the forward can `scan` over them):
    "final_norm": [E],
    "lm_head": [E, V]}          # absent when cfg.tie_word_embeddings
 
+plus, only for the families that have them, the layer leaves bq [L, H*D],
+bk/bv [L, K*D] (Qwen2, cfg.attention_bias) and q_norm/k_norm [L, D] (Qwen3,
+cfg.qk_norm); `param_shapes(cfg)` is the list.
+
 Q/K rows are in HF's "rotate_half" RoPE layout. llama.cpp's converter
 (convert_hf_to_gguf.py, `LlamaModel.permute`) reorders them to the
 interleaved-pair layout GGML's RoPE expects; `unpermute_qk` undoes it exactly.
+Only the llama architecture is permuted: qwen2/qwen3 GGUFs keep HF's rows
+(llama.cpp runs them with NEOX-style RoPE, i.e. rotate_half).
 """
 
 from __future__ import annotations
@@ -23,15 +33,15 @@ from typing import Callable
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.llama import check_params, param_shapes
+from jaxserve.model.llama import param_shapes, validate_params
 
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be loaded; the message names the file and the problem."""
 
 
-# Per-layer leaves: name -> (shape of ONE layer given cfg, needs transpose from [out, in]).
-LAYER_LEAVES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+# Per-layer leaves stored [in, out] (transposed from the checkpoints' [out, in]); the
+# others (norms, biases) are vectors. The leaves themselves: `param_shapes(cfg)["layers"]`.
 MATRIX_LEAVES = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
 
 
@@ -79,7 +89,7 @@ def stack_layers(cfg: ModelConfig, get: Callable[[int, str], np.ndarray], source
     """
     want = param_shapes(cfg)["layers"]
     out = {}
-    for name in LAYER_LEAVES:
+    for name in want:
         per_layer = []
         for i in range(cfg.num_hidden_layers):
             a = get(i, name)
@@ -93,22 +103,15 @@ def stack_layers(cfg: ModelConfig, get: Callable[[int, str], np.ndarray], source
 
 
 def check_tree(cfg: ModelConfig, params: dict, source: Path) -> None:
-    """Raise CheckpointError unless `params` has exactly the leaves/shapes of `cfg`."""
+    """Raise CheckpointError unless `params` is a canonical tree for `cfg`.
+
+    The same validation `jaxserve.model.llama.prepare_params` runs, with the source
+    named in the message.
+    """
     try:
-        check_params(cfg, params)
+        validate_params(cfg, params)
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
-
-
-def cast_tree(params: dict, dtype: str) -> dict:
-    """Cast every leaf to `dtype` ("float32" | "bfloat16"; bf16 via ml_dtypes)."""
-    import ml_dtypes
-
-    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}.get(dtype)
-    if np_dtype is None:
-        raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'")
-    return {k: cast_tree(v, dtype) if isinstance(v, dict) else np.asarray(v).astype(np_dtype, copy=False)
-            for k, v in params.items()}
 
 
 def tree_nbytes(params: dict) -> int:

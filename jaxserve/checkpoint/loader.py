@@ -10,9 +10,10 @@ from jaxserve.checkpoint import cache
 from jaxserve.checkpoint.default import DEFAULT_PARAMS_CACHE_DIR, resolve_model_path
 from jaxserve.checkpoint.gguf_loader import load_gguf_params, read_gguf_header
 from jaxserve.checkpoint.hf import load_hf_config, load_hf_params
-from jaxserve.checkpoint.layout import CheckpointError, cast_tree
+from jaxserve.checkpoint.layout import CheckpointError
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig
+from jaxserve.model.llama import cast_params
 
 log = logging.getLogger(__name__)
 _DTYPES = ("float32", "bfloat16")
@@ -63,7 +64,7 @@ def _convert(p: Path, dtype: str, progress: bool) -> tuple[ModelConfig, dict, To
             raise CheckpointError(f"{p}: tokenizer has {tok.vocab_size} ids but the model "
                                   f"vocab_size is only {cfg.vocab_size}")
         params = load_hf_params(p, cfg, progress=progress)
-    return cfg, cast_tree(params, dtype), tok
+    return cfg, cast_params(params, dtype), tok
 
 
 def load_model(path: str | Path | None = None, *, dtype: str = "float32",

@@ -5,9 +5,15 @@ encode, decode, convert_ids_to_tokens, apply_chat_template, bos_token_id,
 eos_token_id, vocab_size, all_special_ids, chat_template.
 
 Chat templates are rendered the way transformers does (`render_jinja_template`):
-a sandboxed jinja2 environment with trim_blocks/lstrip_blocks, a `tojson`
+a sandboxed jinja2 environment with trim_blocks/lstrip_blocks, the
+loopcontrols extension, the `{% generation %}` block (rendered as its body;
+transformers uses it only to track assistant-token masks), a `tojson`
 filter, `raise_exception` and `strftime_now`, and the variables `messages`,
 `add_generation_prompt`, `bos_token`, `eos_token`, `tools`, `documents`.
+A template is compiled and rendered once on a probe conversation when the
+tokenizer is built, so a template using something this environment lacks (an
+unknown tag, filter, test or function) is a CheckpointError at load, not at
+the first request.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jinja2
+import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
@@ -33,6 +40,10 @@ _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+# Qwen2's tokenizer.json regex (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2, also Qwen2.5/Qwen3):
+# Llama 3's, but every digit is its own piece.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
 # llama.cpp `tokenizer.ggml.pre` names -> HF pre-tokenizer. The "smollm" family
 # (llama.cpp: STARCODER/REFACT/COMMAND_R/SMOLLM/CODESHELL/EXAONE/MINERVA) first
 # isolates every digit (`\p{N}`), then applies the GPT-2 regex; that is exactly
@@ -40,6 +51,7 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _GPT2_ONLY = ("gpt2", "default", "mpt", "olmo", "jais")
 _LLAMA3 = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3")
+_QWEN2 = ("qwen2",)
 
 
 def _gguf_pre_tokenizer(pre: str, source: Path):
@@ -49,17 +61,38 @@ def _gguf_pre_tokenizer(pre: str, source: Path):
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     if pre in _GPT2_ONLY:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _LLAMA3:
+    if pre in _LLAMA3 or pre in _QWEN2:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if pre in _LLAMA3 else _QWEN2_SPLIT),
+                                 behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise CheckpointError(
         f"{source}: unsupported tokenizer.ggml.pre={pre!r} (supported: "
-        f"{sorted(_DIGITS_THEN_GPT2 + _GPT2_ONLY + _LLAMA3)})")
+        f"{sorted(_DIGITS_THEN_GPT2 + _GPT2_ONLY + _LLAMA3 + _QWEN2)})")
+
+
+class TemplateRaised(jinja2.exceptions.TemplateError):
+    """The template's own `raise_exception(...)` (e.g. roles that do not alternate)."""
 
 
 def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
+    raise TemplateRaised(message)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' AssistantTracker tag): the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+# A conversation every chat template should accept: user / assistant / user, then the prompt.
+_PROBE = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."},
+          {"role": "user", "content": "What is 2 + 2?"}]
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -70,11 +103,37 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 def _compile_template(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(template)
+
+
+def _checked_template(template: str, source: str | Path) -> jinja2.Template:
+    """Compile a chat template and render `_PROBE` with it once.
+
+    The template's own `raise_exception` (a deliberate refusal of the probe's
+    roles) is accepted; any other failure is the environment lacking a feature.
+
+    Raises:
+      CheckpointError: a syntax error, an unknown tag/filter/test (compile time)
+        or an undefined function / unsafe access while rendering, naming the source.
+    """
+    try:
+        compiled = _compile_template(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise CheckpointError(f"{source}: chat template does not compile (line {e.lineno}): "
+                              f"{e.message}") from e
+    try:
+        compiled.render(messages=_PROBE, add_generation_prompt=True, bos_token="", eos_token="",
+                        tools=None, documents=None)
+    except TemplateRaised:
+        pass
+    except Exception as e:  # UndefinedError, SecurityError, TypeError from a template's own code
+        raise CheckpointError(f"{source}: chat template fails on a probe conversation "
+                              f"(user/assistant/user): {type(e).__name__}: {e}") from e
+    return compiled
 
 
 class Tokenizer:
@@ -106,7 +165,7 @@ class Tokenizer:
         self.all_special_ids = sorted(i for i, t in backend.get_added_tokens_decoder().items()
                                       if t.special)
         self.chat_template = chat_template
-        self._template = _compile_template(chat_template) if chat_template else None
+        self._template = _checked_template(chat_template, source) if chat_template else None
 
     # -- constructors -----------------------------------------------------------------------
 
@@ -233,7 +292,8 @@ class Tokenizer:
           tokenize: return ids (encoded without extra special tokens) instead of text.
           kwargs: extra template variables.
         Raises:
-          ValueError: no chat template, or malformed messages.
+          ValueError: no chat template, malformed messages, or the template itself
+            refusing them (its `raise_exception`, e.g. roles that do not alternate).
         """
         if self._template is None:
             raise ValueError(f"tokenizer from {self.source} has no chat template")
@@ -241,10 +301,13 @@ class Tokenizer:
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise ValueError("messages must be a list of {'role': str, 'content': str} dicts, "
                              f"got {messages!r:.200}")
-        text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                     tools=kwargs.pop("tools", None),
-                                     documents=kwargs.pop("documents", None), **kwargs)
+        try:
+            text = self._template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                tools=kwargs.pop("tools", None), documents=kwargs.pop("documents", None), **kwargs)
+        except jinja2.exceptions.TemplateError as e:  # e.g. its raise_exception on roles
+            raise ValueError(f"chat template of {self.source} rejected the messages: {e}") from e
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:

@@ -1,24 +1,34 @@
-"""Flax NNX Llama (Llama 2 / Llama 3 / SmolLM) over a flat, ragged token axis.
+"""Flax NNX Llama-family decoder over a flat, ragged token axis.
 
 The decoder follows Touvron et al. 2023 (RMSNorm, RoPE, SwiGLU) with
 grouped-query attention (Ainslie et al. 2023) and Llama 3.1's band-wise RoPE
-scaling. Layer weights are stacked on a leading [L] axis and the layers run
-under `jax.lax.scan`, so compile time does not grow with depth. The paged KV
-cache (`[L, N, B, K, D]` for K and V) rides in the scan carry and is updated
-in place when the caller donates it (see BUILD_NOTES.md for why: passing it
-as scan xs/ys copies it every step).
+scaling. The same module runs Llama 2/3, SmolLM, Mistral (Jiang et al. 2023,
+without its sliding window), Qwen2/Qwen2.5 (`cfg.attention_bias`: q/k/v biases)
+and Qwen3 (`cfg.qk_norm`: per-head RMSNorm of q and k over head_dim, before
+RoPE), as HF transformers' Qwen2Attention / Qwen3Attention do. The paged KV cache (`[L, N, B, K, D]` for K and V) rides in the
+layer loop's carry and is updated in place when the caller donates it (see
+BUILD_NOTES.md for why: passing it as scan xs/ys copies it every step).
 
-Parameter tree (HF weights transposed to [in, out]):
+The canonical parameter tree is the state of the NNX module `Llama`
+(HF weights transposed to [in, out], layers stacked on a leading [L] axis):
   embed [V,E]; layers/{attn_norm [L,E], wq [L,E,H*D], wk [L,E,K*D],
   wv [L,E,K*D], wo [L,H*D,E], mlp_norm [L,E], w_gate [L,E,F], w_up [L,E,F],
   w_down [L,F,E]}; final_norm [E]; lm_head [E,V] (absent when tied).
+Optional layer leaves, present only for the families that have them:
+  bq [L,H*D], bk [L,K*D], bv [L,K*D] (cfg.attention_bias); q_norm [L,D], k_norm [L,D]
+  (cfg.qk_norm).
+Loaders and the params cache produce it as NumPy; `prepare_params` is the one
+transform into the engine layout (dtype, unstacked layers, later fusion and
+sharding). The forward functions are pure functions of either layout: with
+stacked layers they run under `jax.lax.scan` (compile time flat in depth),
+with unstacked ones as an unrolled loop.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +36,16 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.attention.common import AttentionBackend, MdT
 
-LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+# One layer's weights, and a parameter tree: the canonical one (layers stacked on [L]) or
+# the engine layout (`prepare_params`: cast, and with unroll_layers a list of L layer dicts).
+LayerParams = dict[str, jax.Array]
+Params = dict[str, "jax.Array | LayerParams | list[LayerParams]"]
 
 
-def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
-    """The expected shape of every leaf of the parameter tree for `cfg`."""
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...] | dict[str, tuple[int, ...]]]:
+    """The shape of every leaf of the canonical parameter tree for `cfg` (what `Llama` holds)."""
     L, E, F = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
     H, K, D, V = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
     shapes = {
@@ -41,26 +55,104 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
                    "w_gate": (L, E, F), "w_up": (L, E, F), "w_down": (L, F, E)},
         "final_norm": (E,),
     }
+    if cfg.attention_bias:
+        shapes["layers"].update(bq=(L, H * D), bk=(L, K * D), bv=(L, K * D))
+    if cfg.qk_norm:
+        shapes["layers"].update(q_norm=(L, D), k_norm=(L, D))
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (E, V)
     return shapes
 
 
-def check_params(cfg: ModelConfig, params: dict[str, Any]) -> None:
-    """Raise ValueError naming the first missing, extra or mis-shaped leaf."""
-    want = param_shapes(cfg)
+def validate_params(cfg: ModelConfig, params: Mapping[str, object]) -> None:
+    """Check a canonical tree against `param_shapes(cfg)`.
 
-    def walk(w, p, prefix):
-        if set(w) != set(p):
-            raise ValueError(f"parameter tree at {prefix or '/'}: keys {sorted(p)} != expected {sorted(w)}")
-        for k, shape in w.items():
+    Raises:
+      ValueError: naming the path of the first missing or extra key, a leaf whose
+        shape differs from the expected one, or a leaf whose dtype is not floating.
+    """
+    def walk(want, got, prefix):
+        if not isinstance(got, Mapping) or set(want) != set(got):
+            keys = sorted(got) if isinstance(got, Mapping) else type(got).__name__
+            raise ValueError(f"parameter tree at {prefix or '/'}: keys {keys} != expected "
+                             f"{sorted(want)}")
+        for k, shape in want.items():
+            path, leaf = f"{prefix}/{k}", got[k]
             if isinstance(shape, dict):
-                walk(shape, p[k], f"{prefix}/{k}")
-            elif tuple(p[k].shape) != shape:
-                raise ValueError(f"parameter {prefix}/{k} has shape {tuple(p[k].shape)}, "
+                walk(shape, leaf, path)
+            elif tuple(getattr(leaf, "shape", ())) != shape:
+                raise ValueError(f"parameter {path} has shape {tuple(getattr(leaf, 'shape', ()))}, "
                                  f"expected {shape}")
+            elif not jnp.issubdtype(leaf.dtype, jnp.floating):
+                raise ValueError(f"parameter {path} has dtype {leaf.dtype}, expected a floating "
+                                 f"dtype (cast to ModelConfig.dtype={cfg.dtype!r})")
 
-    walk(want, params, "")
+    walk(param_shapes(cfg), params, "")
+
+
+def _cast(a: object, dt: np.dtype) -> object:
+    """a in dtype dt: NumPy stays on the host (no copy when it already has dt), jax on device."""
+    if isinstance(a, jax.Array):
+        return a if a.dtype == dt else a.astype(dt)
+    return np.asarray(a).astype(dt, copy=False)
+
+
+def cast_params(params: Mapping[str, object], dtype: str) -> dict:
+    """Every leaf of a (nested dict) tree in `dtype` ("float32" | "bfloat16"), same kind of array.
+
+    Raises:
+      ValueError: dtype is not "float32" or "bfloat16".
+    """
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'")
+    dt = jnp.dtype(dtype)  # bfloat16 is ml_dtypes' NumPy type
+    return {k: cast_params(v, dtype) if isinstance(v, Mapping) else _cast(v, dt)
+            for k, v in params.items()}
+
+
+def canonical_params(params: "Llama | nnx.State | Mapping[str, object]") -> dict:
+    """The canonical tree as nested dicts: of a `Llama` module (split once), its state, or a tree."""
+    if isinstance(params, nnx.Module):
+        _, params = nnx.split(params)
+    if isinstance(params, nnx.State):
+        return nnx.to_pure_dict(params)
+    return dict(params)
+
+
+def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, object]", *,
+                   unroll_layers: bool) -> Params:
+    """The one transform from the canonical tree to the engine layout, on the device.
+
+    Validates (`validate_params`), casts every leaf to cfg.dtype and, with
+    `unroll_layers`, splits the stacked layers into a list of L per-layer dicts:
+    `run_layers` then unrolls the layers and every matmul reads its own weight
+    buffer, instead of the scan's per-layer dynamic-slice copy (notes/perf.md).
+    Host NumPy leaves are cast and split as host views where possible and moved
+    with one `jax.device_put`; device leaves are sliced and cast on the device.
+    Either way the result is the only engine-layout copy made.
+
+    Args:
+      cfg: the model config (shapes and dtype).
+      params: a `Llama` module, its `nnx.State`, or the canonical tree (NumPy or jax).
+      unroll_layers: per-layer weight buffers (True) or the stacked [L] leaves.
+
+    Returns:
+      The engine-layout tree of device arrays in cfg.dtype.
+
+    Raises:
+      ValueError: a missing, extra, mis-shaped or non-floating leaf (naming its path).
+    """
+    tree = canonical_params(params)
+    validate_params(cfg, tree)
+    dt = jnp.dtype(cfg.dtype)
+    out = {k: _cast(v, dt) for k, v in tree.items() if k != "layers"}
+    layers = tree["layers"]
+    if unroll_layers:
+        out["layers"] = [{k: _cast(w[i], dt) for k, w in layers.items()}
+                         for i in range(cfg.num_hidden_layers)]
+    else:
+        out["layers"] = {k: _cast(w, dt) for k, w in layers.items()}
+    return jax.device_put(out)
 
 
 # ---------------------------------------------------------------- RoPE
@@ -111,13 +203,21 @@ AttnFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.A
 
 def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], positions: jax.Array,
                   inv_freq: jax.Array, attn_fn: AttnFn, attn_carry: Any, layer: jax.Array):
-    """One pre-norm Llama block on x [T, E]; returns (x [T, E], attn_carry)."""
+    """One pre-norm Llama block on x [T, E]; returns (x [T, E], attn_carry).
+
+    With cfg.attention_bias the q/k/v projections add their biases (Qwen2); with
+    cfg.qk_norm q and k are RMS-normed per head over D before RoPE (Qwen3).
+    """
     T = x.shape[0]
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q = (h @ lp["wq"]).reshape(T, H, D)
-    k = (h @ lp["wk"]).reshape(T, K, D)
-    v = (h @ lp["wv"]).reshape(T, K, D)
+    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     o, attn_carry = attn_fn(q, k, v, attn_carry, layer)  # [T, H, D]
@@ -127,24 +227,10 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     return x, attn_carry
 
 
-def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
-    """The parameter tree with params["layers"] as a list of L per-layer dicts.
-
-    Same leaves, split on the [L] axis into separate arrays: `run_layers` then
-    unrolls the layers and every matmul reads its weight in place, instead of
-    the scan's per-layer dynamic-slice copy (measured in notes/perf.md).
-    """
-    layers = params["layers"]
-    if isinstance(layers, (list, tuple)):
-        return params
-    n = next(iter(layers.values())).shape[0]
-    return dict(params, layers=[{k: w[i] for k, w in layers.items()} for i in range(n)])
-
-
-def run_layers(cfg: ModelConfig, params: dict[str, Any], input_ids: jax.Array, positions: jax.Array,
+def run_layers(cfg: ModelConfig, params: Params, input_ids: jax.Array, positions: jax.Array,
                attn_fn: AttnFn, attn_carry: Any) -> tuple[jax.Array, Any]:
     """Embed input_ids i32[T] and run all layers under a scan (or unrolled, when
-    params["layers"] is a list of per-layer dicts, see `unstack_layers`).
+    params["layers"] is a list of per-layer dicts, see `prepare_params`).
 
     Returns the final-normed hidden states [T, E] and the attention carry
     (the KV cache for the paged path).
@@ -152,7 +238,7 @@ def run_layers(cfg: ModelConfig, params: dict[str, Any], input_ids: jax.Array, p
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     x = params["embed"][input_ids]  # [T, E]
     if isinstance(params["layers"], (list, tuple)):
-        # Unstacked weights (see `unstack_layers`): a Python loop, each matmul reading its
+        # Unstacked weights (see `prepare_params`): a Python loop, each matmul reading its
         # own weight buffer. Under the scan XLA:CPU copies every layer's weight slice out
         # of the stacked array before its dot (the whole model, ~540 MB, every step).
         ac = attn_carry
@@ -171,7 +257,7 @@ def run_layers(cfg: ModelConfig, params: dict[str, Any], input_ids: jax.Array, p
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), attn_carry
 
 
-def compute_logits(cfg: ModelConfig, params: dict[str, Any], hidden: jax.Array) -> jax.Array:
+def compute_logits(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     """hidden [S, E] -> f32[S, V] (tied embeddings reuse embed.T)."""
     w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     s = hidden.shape[0]
@@ -201,44 +287,43 @@ def dense_causal_attn(cfg: ModelConfig) -> AttnFn:
     return fn
 
 
-def paged_attn(cfg: ModelConfig, md: Any, *, backend: str, interpret: bool = False) -> AttnFn:
-    """Write K/V through md.slot_mapping, then ragged paged attention.
+def paged_attn(cfg: ModelConfig, md: MdT, backend: AttentionBackend[MdT]) -> AttnFn:
+    """Write K/V through the backend, then ragged paged attention.
 
     The carry is (k_cache, v_cache), each [L, N, B, K, D].
     """
-    from jaxserve.model import attention
-
     scale = cfg.head_dim ** -0.5
 
     def fn(q, k, v, carry, layer):
-        k_cache, v_cache = carry
-        k_cache, v_cache = attention.write_kv(k_cache, v_cache, k, v, md, layer=layer, backend=backend)
-        o = attention.attention(q, k_cache, v_cache, md, layer=layer, sm_scale=scale,
-                                backend=backend, interpret=interpret)
+        k_cache, v_cache = backend.write_kv(*carry, k, v, md, layer=layer)
+        o = backend.attention(q, k_cache, v_cache, md, layer=layer, sm_scale=scale)
         return o, (k_cache, v_cache)
 
     return fn
 
 
-def forward_paged(cfg: ModelConfig, params: dict[str, Any], input_ids: jax.Array,
-                  positions: jax.Array, kv_cache: tuple[jax.Array, jax.Array], md: Any,
-                  logits_indices: jax.Array, *, backend: str = "xla", interpret: bool = False):
+def forward_paged(cfg: ModelConfig, params: Params, input_ids: jax.Array,
+                  positions: jax.Array, kv_cache: tuple[jax.Array, jax.Array], attn_md: MdT,
+                  logits_indices: jax.Array, *, backend: AttentionBackend[MdT]
+                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The engine's forward over a ragged, bucket-padded batch.
 
     Args:
+      params: the engine layout from `prepare_params`.
       input_ids: i32[T_pad]; positions: i32[T_pad].
       kv_cache: (k_cache, v_cache), each [L, N, B, K, D]; donate it.
-      md: `jaxserve.model.attention.AttentionMetadata` for this batch.
+      attn_md: `backend.prepare(common)` of this batch (device arrays).
       logits_indices: i32[S_pad], the flat token index whose logits are wanted.
+      backend: the attention backend the runner chose.
     Returns:
       (logits f32[S_pad, V], kv_cache).
     """
     hidden, kv_cache = run_layers(cfg, params, input_ids, positions,
-                                  paged_attn(cfg, md, backend=backend, interpret=interpret), kv_cache)
+                                  paged_attn(cfg, attn_md, backend), kv_cache)
     return compute_logits(cfg, params, hidden[logits_indices]), kv_cache
 
 
-def reference_logits(cfg: ModelConfig, params: dict[str, Any], input_ids: np.ndarray) -> np.ndarray:
+def reference_logits(cfg: ModelConfig, params: Params, input_ids: np.ndarray) -> np.ndarray:
     """Logits f32[T, V] of one sequence input_ids i32[T] with plain causal attention.
 
     A direct path with no paging or padding: the test oracle for the paged
@@ -257,12 +342,14 @@ def _jit_reference(cfg, params, ids, pos):
 
 # ---------------------------------------------------------------- NNX module
 class Llama(nnx.Module):
-    """Llama decoder as an NNX module holding the stacked parameter tree.
+    """Llama decoder as an NNX module: its state is the canonical parameter tree.
 
-    `Llama(cfg, rngs=nnx.Rngs(0))` initialises random weights (normal,
-    std `init_std`); `Llama.from_params(cfg, tree)` wraps loaded weights.
-    `nnx.split(model)` once gives (graphdef, state); the engine jits a pure
-    function of the state (see `jaxserve.model_runner`).
+    `Llama(cfg, rngs=nnx.Rngs(0))` initialises random weights (normal, std
+    `init_std`, biases included; norms 1). The optional leaves of `param_shapes`
+    (biases, q/k norms) exist only when cfg switches them on. The engine takes the module, or `nnx.state(model)`,
+    through `prepare_params`, which splits it once (`nnx.split`) and hands the
+    state's leaves, in the engine layout, to the jitted step: the step runs the
+    pure functions above on those leaves (`forward_paged`).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
@@ -279,28 +366,3 @@ class Llama(nnx.Module):
         self.layers = nnx.Dict({k: nnx.Param(init(s, k)) for k, s in shapes["layers"].items()})
         self.final_norm = nnx.Param(init(shapes["final_norm"], "final_norm"))
         self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(init(shapes["lm_head"], "lm_head"))
-
-    @classmethod
-    def from_params(cls, cfg: ModelConfig, params: dict[str, Any]) -> "Llama":
-        """Wrap a loaded parameter tree (cast to cfg.dtype); ValueError on a shape mismatch."""
-        check_params(cfg, params)
-        model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
-        dt = jnp.dtype(cfg.dtype)
-        model.embed = nnx.Param(jnp.asarray(params["embed"], dt))
-        model.layers = nnx.Dict({k: nnx.Param(jnp.asarray(params["layers"][k], dt)) for k in LAYER_KEYS})
-        model.final_norm = nnx.Param(jnp.asarray(params["final_norm"], dt))
-        model.lm_head = None if cfg.tie_word_embeddings else nnx.Param(jnp.asarray(params["lm_head"], dt))
-        return model
-
-    def param_tree(self) -> dict[str, Any]:
-        """The plain parameter tree (arrays), as the pure functions above take it."""
-        tree = {"embed": self.embed[...], "layers": {k: self.layers[k][...] for k in LAYER_KEYS},
-                "final_norm": self.final_norm[...]}
-        if self.lm_head is not None:
-            tree["lm_head"] = self.lm_head[...]
-        return tree
-
-    def __call__(self, input_ids, positions, kv_cache, md, logits_indices, *, backend="xla",
-                 interpret=False):
-        return forward_paged(self.cfg, self.param_tree(), input_ids, positions, kv_cache, md,
-                             logits_indices, backend=backend, interpret=interpret)

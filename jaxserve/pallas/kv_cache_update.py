@@ -4,10 +4,11 @@
 tokens point into the null block 0 and may collide there, which is harmless since
 block 0 is never read as a real key (attention masks by `seq_lens`).
 
-Three versions: an XLA scatter (`write_kv_xla`), a Pallas Triton kernel aliased in
-place (`write_kv_pallas`), and a NumPy reference (`reference_write_kv`). All take
-the stacked cache [L, N, B, K, D] and a layer index, so that inside a
-`lax.scan` over layers the cache can be the scan carry and is updated in place.
+This file holds the Pallas Triton kernel, aliased in place (`write_kv_pallas`). The
+XLA scatter is `jaxserve.model.attention.xla.write_kv_xla` and the NumPy reference
+`jaxserve.model.attention.reference.reference_write_kv`. All take the stacked cache
+[L, N, B, K, D] and a layer index, so that inside a `lax.scan` over layers the cache
+can be the scan carry and is updated in place.
 """
 
 from __future__ import annotations
@@ -16,22 +17,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-
-def write_kv_xla(k_cache, v_cache, k, v, slot_mapping, layer):
-    """Scatter k, v [T, K, D] into layer `layer` of k_cache, v_cache [L, N, B, K, D].
-
-    One scatter per cache on the whole stacked array (no per-layer slice copy), so
-    XLA updates the donated / carried buffer in place.
-    """
-    bs = k_cache.shape[2]
-    blk, off = slot_mapping // bs, slot_mapping % bs  # [T]
-    k_cache = k_cache.at[layer, blk, off].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, blk, off].set(v.astype(v_cache.dtype))
-    return k_cache, v_cache
 
 
 def _kv_write_kernel(layer_ref, slot_ref,  # i32[1], i32[T]
@@ -89,18 +76,3 @@ def write_kv_pallas(k_cache, v_cache, k, v, slot_mapping, layer, *, interpret: b
     )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32), k, v,
       k_cache.reshape(flat), v_cache.reshape(flat))
     return kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)
-
-
-def reference_write_kv(k_cache, v_cache, k, v, slot_mapping, layer: int, *, num_real_tokens: int):
-    """NumPy reference: copy of the caches with the first `num_real_tokens` rows written.
-
-    Padding tokens (index >= num_real_tokens) write into the null block with
-    unspecified winners, so the reference leaves block 0 to the caller to ignore.
-    """
-    kc, vc = np.array(k_cache), np.array(v_cache)
-    bs = kc.shape[2]
-    for t in range(num_real_tokens):
-        s = int(slot_mapping[t])
-        kc[layer, s // bs, s % bs] = k[t]
-        vc[layer, s // bs, s % bs] = v[t]
-    return kc, vc

@@ -1,4 +1,4 @@
-"""Ragged paged attention: a Pallas (Triton backend) kernel, its wrapper, and a reference.
+"""Ragged paged attention: a Pallas (Triton backend) kernel and its wrapper.
 
 One launch serves any mix of decodes (q_len = 1), fresh prefills and chunked
 prefills (queries at the end of an already-cached context): the token axis is
@@ -9,11 +9,14 @@ KV chunks (FlashAttention-2, Dao 2023). The query tiling follows vLLM's Triton
 times the `G = H / K` query heads that share a KV head, so a decode of a GQA
 model still fills the matrix unit's rows.
 
-Layers of this file (as in jax/experimental/pallas/ops/gpu):
-  * `query_tiles`: host (NumPy) per-tile metadata.
-  * `_rpa_kernel`: the kernel body.
+Layers (as in jax/experimental/pallas/ops/gpu):
+  * `_rpa_kernel`: the kernel body; its online softmax is
+    `jaxserve.model.online_softmax.online_softmax_step`, shared with the xla path.
   * `ragged_paged_attention`: the jitted wrapper (static, keyword-only tiles).
-  * `reference_ragged_paged_attention`: a float64 NumPy reference.
+The host tiling (`query_tiles`) is in `jaxserve.model.attention.common`, the
+backend object that builds this kernel's metadata in
+`jaxserve.model.attention.pallas_triton`, and the float64 reference it is tested
+against in `jaxserve.model.attention.reference`.
 """
 
 from __future__ import annotations
@@ -22,75 +25,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Finite, so that `m_old - m_new` never computes inf - inf = NaN.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+from jaxserve.model.online_softmax import init_state, normalize, online_softmax_step
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
     return 1 << max(0, int(x) - 1).bit_length()
-
-
-# ----------------------------------------------------------------------------
-# Host-side tiling (NumPy, vectorized)
-# ----------------------------------------------------------------------------
-
-def num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
-    """Static upper bound on the number of query tiles of a (T_pad, S_pad) bucket.
-
-    A sequence of q tokens uses ceil(q / block_q) tiles, so the total is at most
-    T / block_q + (number of sequences with q > 0), and at most T (>= 1 token per tile).
-    """
-    return max(1, min(num_tokens, -(-num_tokens // block_q) + min(num_seqs, num_tokens)))
-
-
-def query_tiles(query_start_loc: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray,
-                block_q: int, num_tiles: int) -> dict[str, np.ndarray]:
-    """Split each sequence's new tokens into tiles of at most `block_q` tokens.
-
-    Args:
-      query_start_loc: i32[S+1] exclusive prefix sum of the query lengths.
-      seq_lens: i32[S] KV length after this step.
-      q_lens: i32[S] query tokens to tile per sequence (0 = skip this sequence).
-      block_q: tokens per tile.
-      num_tiles: static size of the returned arrays (see `num_query_tiles`).
-
-    Returns:
-      dict of i32 arrays: `tile_seq[NT]` (sequence of the tile), `tile_q_start[NT]`
-      (flat index of its first token), `tile_pos0[NT]` (absolute position of its first
-      token), `tile_kv_end[NT]` (1 + position of its last real token, i.e. how many
-      keys the tile needs; 0 for unused tiles), `tile_offset[S]` (first tile of each
-      sequence), and `num_tiles[1]` (tiles in use).
-
-    Raises:
-      ValueError: more tiles are needed than `num_tiles`.
-    """
-    q_lens = np.asarray(q_lens, np.int64)
-    per_seq = -(-q_lens // block_q)  # [S]
-    total = int(per_seq.sum())
-    if total > num_tiles:
-        raise ValueError(f"query tiles needed={total} exceed num_tiles={num_tiles}")
-    offset = np.zeros_like(per_seq)
-    offset[1:] = np.cumsum(per_seq)[:-1]
-    seq = np.repeat(np.arange(len(q_lens)), per_seq)  # [total]
-    j = np.arange(total) - offset[seq]  # tile index within its sequence
-    qsl = np.asarray(query_start_loc, np.int64)
-    sl = np.asarray(seq_lens, np.int64)
-    pos0 = sl[seq] - q_lens[seq] + j * block_q
-    rows = np.minimum(block_q, q_lens[seq] - j * block_q)
-
-    def pad(x):
-        out = np.zeros(num_tiles, np.int32)
-        out[:total] = x
-        return out
-
-    return dict(tile_seq=pad(seq), tile_q_start=pad(qsl[seq] + j * block_q),
-                tile_pos0=pad(pos0), tile_kv_end=pad(pos0 + rows),
-                tile_offset=offset.astype(np.int32), num_tiles=np.array([total], np.int32))
 
 
 # ----------------------------------------------------------------------------
@@ -118,8 +62,7 @@ def _rpa_kernel(layer_ref,  # i32[1]
     row_pos = pos0 + lax.broadcasted_iota(jnp.int32, (m_rows,), 0) // group_pad  # [M]
     j = lax.broadcasted_iota(jnp.int32, (chunk,), 0)  # [CK]
 
-    def body(c, carry):
-        acc, m_i, l_i = carry  # [M, D] f32, [M] f32, [M] f32
+    def body(c, state):
         kpos = c * chunk + j  # [CK] absolute key positions
         page = block_table_ref[seq, c * pages_per_chunk + j // block_size]  # [CK]
         rows = page * block_size + j % block_size  # [CK] row in the N*B axis
@@ -128,20 +71,13 @@ def _rpa_kernel(layer_ref,  # i32[1]
         s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * sm_scale
         key_ok = kpos < kv_end  # [CK]; slots past the end may hold garbage/NaN
         valid = (kpos[None, :] <= row_pos[:, None]) & key_ok[None, :]  # [M, CK] causal
-        s = jnp.where(valid, s, MASK_VALUE)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        alpha = jnp.exp(m_i - m_new)
-        p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)  # [M, CK]
         v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
-        pv = plgpu.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l_i * alpha + p.sum(axis=1)
+        return online_softmax_step(state, s, valid, lambda p: plgpu.dot(
+            p.astype(v.dtype), v, precision=precision).astype(jnp.float32))
 
-    d = q.shape[-1]
-    init = (jnp.zeros((m_rows, d), jnp.float32), jnp.full((m_rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((m_rows,), jnp.float32))
-    acc, _, l_i = lax.fori_loop(0, pl.cdiv(kv_end, chunk), body, init)
-    l_i = jnp.where(l_i > 0.0, l_i, 1.0)  # rows with no key (padding) -> 0, not NaN
-    o_ref[...] = (acc / l_i[:, None]).astype(o_ref.dtype)
+    acc, _, l_i = lax.fori_loop(0, pl.cdiv(kv_end, chunk), body,
+                                init_state((m_rows,), q.shape[-1]))
+    o_ref[...] = normalize(acc, l_i).astype(o_ref.dtype)  # rows with no key (padding) -> 0
 
 
 def check_kernel_shapes(*, head_dim: int, num_queries_per_kv: int, block_q: int,
@@ -150,7 +86,7 @@ def check_kernel_shapes(*, head_dim: int, num_queries_per_kv: int, block_q: int,
 
     Triton needs power-of-two array sizes and `tl.dot` needs every dim >= 16.
     """
-    m_rows = block_q * _next_pow2(num_queries_per_kv)
+    m_rows = block_q * next_pow2(num_queries_per_kv)
     chunk = pages_per_chunk * block_size
     for name, v in (("head_dim", head_dim), ("block_q * next_pow2(H/K)", m_rows),
                     ("pages_per_chunk * block_size", chunk)):
@@ -192,7 +128,7 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, block_table, tile_seq, ti
     if k_cache.shape != v_cache.shape or dk != d or h % kh:
         raise ValueError(f"bad shapes: {q.shape=} {k_cache.shape=} {v_cache.shape=}")
     g = h // kh
-    gp = _next_pow2(g)
+    gp = next_pow2(g)
     check_kernel_shapes(head_dim=d, num_queries_per_kv=g, block_q=block_q, block_size=bs,
                         pages_per_chunk=pages_per_chunk)
     nt = tile_seq.shape[0]
@@ -227,45 +163,3 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, block_table, tile_seq, ti
     row = jnp.maximum(token_out_row, 0)
     o = o[row // block_q, :, row % block_q][:, :, :g].reshape(t, h, d)
     return jnp.where(token_out_row[:, None, None] >= 0, o, jnp.zeros_like(o))
-
-
-# ----------------------------------------------------------------------------
-# Reference
-# ----------------------------------------------------------------------------
-
-def reference_ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
-                                     block_table, num_seqs: int, *, sm_scale: float) -> np.ndarray:
-    """Float64 NumPy reference, one sequence at a time.
-
-    Args:
-      q: [T, H, D]; k_cache, v_cache: [N, B, K, D] (one layer);
-      query_start_loc: i32[S+1]; seq_lens: i32[S]; block_table: i32[S, P];
-      num_seqs: sequences in use. The query at flat index t of sequence s has
-      position seq_lens[s] - q_len[s] + (t - query_start_loc[s]) and sees keys at
-      positions <= its own.
-
-    Returns:
-      f64[T, H, D]; rows of tokens that belong to no sequence are 0.
-    """
-    q = np.asarray(q, np.float64)
-    kc = np.asarray(k_cache, np.float64)
-    vc = np.asarray(v_cache, np.float64)
-    t, h, d = q.shape
-    bs, kh = kc.shape[1], kc.shape[2]
-    g = h // kh
-    out = np.zeros((t, h, d))
-    for s in range(num_seqs):
-        lo, hi, n = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(seq_lens[s])
-        if hi == lo:
-            continue
-        pages = np.asarray(block_table[s])[: -(-n // bs)]
-        k = kc[pages].reshape(-1, kh, d)[:n]  # [n, K, D]
-        v = vc[pages].reshape(-1, kh, d)[:n]
-        qs = q[lo:hi].reshape(hi - lo, kh, g, d)
-        sc = np.einsum("qkgd,nkd->qkgn", qs, k) * sm_scale
-        qpos = n - (hi - lo) + np.arange(hi - lo)
-        sc = np.where(np.arange(n)[None, :] <= qpos[:, None], 0.0, -np.inf)[:, None, None] + sc
-        p = np.exp(sc - sc.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        out[lo:hi] = np.einsum("qkgn,nkd->qkgd", p, v).reshape(hi - lo, h, d)
-    return out

@@ -8,22 +8,23 @@ padding of vLLM's TPU backend (tpu-inference). Padding never truncates:
 a count above the largest bucket is an error, never a silent slice (the
 C24 failure class).
 
-Builders: `pow2_buckets`, `pow2_linear_buckets`, an explicit list, and
-`fit_buckets`, an exact dynamic programme that picks k buckets minimising the
-expected padded token count of an observed tokens-per-step histogram.
+Builders: `pow2_buckets`, `pow2_linear_buckets`, or an explicit list. The
+offline optimiser that fits buckets to a trace lives with the benchmarks
+(`jaxserve.bench.bucket_fit`).
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from jaxserve.config import SchedulerConfig
 
 
-def _check_positive_int(name: str, v: object) -> None:
+def check_positive_int(name: str, v: object) -> None:
+    """Raise ValueError naming `name` unless v is a positive int (bools rejected)."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
         raise ValueError(f"{name}={v!r} must be a positive int")
 
@@ -33,7 +34,7 @@ def _validate_buckets(name: str, buckets: Sequence[int]) -> tuple[int, ...]:
     if not b:
         raise ValueError(f"{name}={b} must not be empty")
     for x in buckets:
-        _check_positive_int(f"{name} entry", x)
+        check_positive_int(f"{name} entry", x)
     if list(b) != sorted(set(b)):
         raise ValueError(f"{name}={b} must be strictly increasing")
     return b
@@ -48,8 +49,8 @@ def pow2_buckets(max_size: int, min_size: int = 1) -> tuple[int, ...]:
     Raises:
       ValueError: a non-positive size.
     """
-    _check_positive_int("max_size", max_size)
-    _check_positive_int("min_size", min_size)
+    check_positive_int("max_size", max_size)
+    check_positive_int("min_size", min_size)
     out = []
     p = 1
     while p < min_size:
@@ -73,9 +74,9 @@ def pow2_linear_buckets(max_size: int, gap: int, min_size: int = 1) -> tuple[int
     Raises:
       ValueError: a non-positive size or gap.
     """
-    _check_positive_int("max_size", max_size)
-    _check_positive_int("gap", gap)
-    _check_positive_int("min_size", min_size)
+    check_positive_int("max_size", max_size)
+    check_positive_int("gap", gap)
+    check_positive_int("min_size", min_size)
     out = [b for b in pow2_buckets(max_size, min_size) if b <= gap and b < max_size]
     covered = out[-1] if out else min_size - 1  # largest count the pow2 part covers
     nxt = (covered // gap + 1) * gap  # first multiple of gap above it
@@ -84,78 +85,6 @@ def pow2_linear_buckets(max_size: int, gap: int, min_size: int = 1) -> tuple[int
         nxt += gap
     out.append(int(max_size))
     return tuple(sorted(set(out)))
-
-
-def fit_buckets(histogram: Mapping[int, int], k: int, max_size: int) -> tuple[int, ...]:
-    """The k buckets minimising expected padded tokens for a tokens-per-step histogram.
-
-    Exact: an optimal bucket set can always be moved down onto observed counts
-    (a bucket above the largest count it covers only adds padding), so the
-    search is over the sorted distinct counts plus max_size, which is always
-    included so that no count can exceed the largest bucket. Dynamic
-    programme over (buckets used, last bucket): O(k * m^2) with NumPy
-    vectorised over the inner minimum, m = distinct counts.
-
-    Args:
-      histogram: tokens-per-step -> number of steps (counts >= 0).
-      k: number of buckets wanted (>= 1); fewer are returned when there are
-        fewer distinct counts.
-      max_size: the largest bucket (= max_num_batched_tokens).
-
-    Returns: strictly increasing bucket sizes, the last == max_size.
-
-    Raises:
-      ValueError: k < 1, a key outside [1, max_size], or a negative count.
-    """
-    _check_positive_int("k", k)
-    _check_positive_int("max_size", max_size)
-    weights: dict[int, float] = {}
-    for n, c in histogram.items():
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= max_size:
-            raise ValueError(f"histogram key {n!r} must be an int in [1, max_size={max_size}]")
-        if c < 0:
-            raise ValueError(f"histogram count {c!r} for {n} tokens must be >= 0")
-        weights[int(n)] = weights.get(int(n), 0) + float(c)
-    weights.setdefault(int(max_size), 0.0)
-    vals = np.array(sorted(weights), dtype=np.float64)  # [m]
-    w = np.array([weights[int(v)] for v in vals])  # [m]
-    m = len(vals)
-    k = min(k, m)
-    cum = np.concatenate([[0.0], np.cumsum(w)])  # cum[j] = weight of vals[:j]
-    # best[j] = min cost covering vals[:j+1] with the last bucket at vals[j].
-    best = vals * cum[1:]  # one bucket
-    parents = []
-    for _ in range(1, k):
-        # cost[i, j] = best[i] + vals[j] * (cum[j+1] - cum[i+1]) for i < j.
-        cost = best[:, None] + vals[None, :] * (cum[None, 1:] - cum[1:, None])  # [m, m]
-        cost[np.tril_indices(m)] = np.inf
-        arg = np.argmin(cost, axis=0)  # [m]
-        new = cost[arg, np.arange(m)]
-        parents.append(arg)
-        best = new
-    # Walk back from the forced last bucket (max_size = vals[-1]).
-    j = m - 1
-    out = [j]
-    for arg in reversed(parents):
-        j = int(arg[j])
-        out.append(j)
-    return tuple(int(vals[i]) for i in sorted(out))
-
-
-def expected_padded_tokens(histogram: Mapping[int, int], buckets: Sequence[int]) -> int:
-    """Sum over steps of the padded size (what `fit_buckets` minimises).
-
-    Raises:
-      ValueError: a count above the largest bucket.
-    """
-    b = sorted(buckets)
-    total = 0
-    for n, c in histogram.items():
-        i = bisect.bisect_left(b, n)
-        if i == len(b):
-            raise ValueError(f"{n} tokens exceed the largest bucket {b[-1]}")
-        total += b[i] * c
-    return total
 
 
 class BucketPolicy:
@@ -198,10 +127,6 @@ class BucketPolicy:
         if sb is None:
             sb = pow2_buckets(cfg.max_num_seqs, min(cfg.min_seq_bucket, cfg.max_num_seqs))
         return cls(tb, sb)
-
-    @property
-    def max_num_tokens(self) -> int:
-        return self.token_buckets[-1]
 
     @property
     def max_num_seqs(self) -> int:

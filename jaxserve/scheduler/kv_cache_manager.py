@@ -95,10 +95,6 @@ class KVCacheManager:
         """Fraction of usable blocks held by requests (evictable cached blocks count as free)."""
         return self.num_used_blocks / (self.num_kv_blocks - 1)
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

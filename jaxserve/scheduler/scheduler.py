@@ -455,6 +455,27 @@ class Scheduler:
                 done.append(req)
         return done
 
+    def stop_by_string(self, request: Request) -> None:
+        """A stop string matched the request's text: a live request finishes
+        FINISHED_STOPPED now; one this step finished by length is relabelled so (vLLM
+        reports "stop" when the stop string completes on the last allowed token)."""
+        if self.requests.get(request.request_id) is request:
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+        elif request.status == RequestStatus.FINISHED_LENGTH:
+            request.status = RequestStatus.FINISHED_STOPPED
+
+    def fail_step(self, out: SchedulerOutput, *, kv_lost: bool) -> list[str]:
+        """After a plan's execution raised: its rows' requests (every live one when
+        `kv_lost`) finish FINISHED_ERROR and the prefix cache is forgotten (its blocks
+        may hold garbage now). Returns the request ids failed."""
+        rows = (sr.request_id for sr in out.scheduled)
+        ids = list(self.requests) if kv_lost else [r for r in rows if r in self.requests]
+        self.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        if self._pending_out is out:
+            self._pending_out = None
+        self.kv_cache_manager.reset_prefix_cache()
+        return ids
+
     def abort(self, request_id: str) -> bool:
         """Abort a request in any state (waiting, running, mid-chunk, preempted).
 
@@ -474,26 +495,3 @@ class Scheduler:
             raise ValueError(f"preempt: unknown or finished request_id={request_id!r}")
         self._force_preempt.append(request_id)
         return req.status == _RUNNING
-
-    # ------------------------------------------------------------ checks
-    def check_invariants(self) -> None:
-        """Assert the scheduler's and the pool's bookkeeping agree (tests, debugging)."""
-        kv = self.kv_cache_manager
-        kv.check_invariants(self.requests)
-        owners = kv.owners()
-        B = self.block_size
-        running_ids = {r.request_id for r in self.running}
-        waiting_ids = {r.request_id for r in self.waiting}
-        assert len(running_ids) == len(self.running) and not running_ids & waiting_ids
-        assert running_ids | waiting_ids == set(self.requests), "a live request is lost"
-        assert len(self.running) <= self.config.max_num_seqs
-        for r in self.running:
-            assert r.status == _RUNNING
-            blocks = owners.get(r.request_id, ())
-            assert len(blocks) * B >= r.num_computed_tokens, f"{r} has too few blocks"
-            # Blocks still to be written are held by this request alone and uncached.
-            for b in blocks[r.num_computed_tokens // B:]:
-                assert kv.ref_count(b) == 1 and not kv.is_cached(b), f"{r}: block {b} shared"
-        for r in self.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert r.num_computed_tokens == 0 and r.request_id not in owners

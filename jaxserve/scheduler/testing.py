@@ -1,24 +1,40 @@
-"""A fake model runner: drives a Scheduler with scripted, deterministic tokens.
+"""The one fake runner: scripted, deterministic tokens and no model.
 
 JetStream's habit: test the orchestration with a mock engine whose
-arithmetic can be checked by hand, no model at all. `FakeRunner.step()` is one
-engine iteration (schedule -> "forward" -> update_from_output); `run()` loops
-it over a workload with arrival times on a simulated clock. Used by the
-scheduler tests and by benchmark dry runs (bucket padding without a model).
+arithmetic can be checked by hand. `FakeRunner` implements the `Runner`
+protocol (`jaxserve.runner`), so it plugs into a real `LLMEngine` (engine and
+server tests without a model, in milliseconds), and it can also drive a bare
+`Scheduler` by itself: `step()` is one iteration (schedule -> execute ->
+update_from_output) and `run()` loops it over a workload with arrival times
+on a simulated clock (scheduler tests, `bench buckets --dry_run`).
+
+Token functions map (request, output position) to a token id or a full
+`SampledToken`: `default_token` (a hash), `scripted` (fixed lists) and
+`counting_token` (the next id counts up from the last one, with hand-checkable
+logprobs; the server tests use it). Plain Python + NumPy: no jax.
 """
 
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
-from jaxserve.request import Request
-from jaxserve.scheduler.batch import BatchArrays, build_batch
+import numpy as np
+
+from jaxserve.batch import BatchArrays, build_batch
+from jaxserve.request import Request, RequestStatus
+from jaxserve.runner import RowError, RowResult, RunnerStats, SampledToken
+from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.scheduler.scheduler import Scheduler
 
-TokenFn = Callable[[Request, int], int]
+if TYPE_CHECKING:
+    from jaxserve.config import EngineConfig
+
+TokenFn = Callable[[Request, int], "int | SampledToken"]
+RequestPredicate = Callable[[Request], bool]
 
 
 def default_token(request_id: str, output_pos: int, *, vocab_size: int = 1000, low: int = 3) -> int:
@@ -33,7 +49,7 @@ def default_token(request_id: str, output_pos: int, *, vocab_size: int = 1000, l
 
 def scripted(script: Mapping[str, Sequence[int]], fallback: TokenFn | None = None) -> TokenFn:
     """Token function that emits script[request_id][output_pos] (fallback past the end)."""
-    def fn(req: Request, pos: int) -> int:
+    def fn(req: Request, pos: int) -> int | SampledToken:
         s = script.get(req.request_id)
         if s is not None and pos < len(s):
             return s[pos]
@@ -43,58 +59,189 @@ def scripted(script: Mapping[str, Sequence[int]], fallback: TokenFn | None = Non
     return fn
 
 
+def counting_token(vocab_size: int, max_logprobs: int) -> TokenFn:
+    """Tokens that count up from the last token, with hand-checkable logprobs.
+
+    Output `pos` is `(last + s) % vocab_size`, `last` being the token before it
+    (the last prompt token for pos 0). The step s is 1 when greedy (temperature
+    0 or top_k 1), else `2 + seed % 5` with the request's resolved seed (a
+    seeded n>1 sample i has seed + i, vLLM's convention; an unseeded request
+    draws its seed at random). The chosen token's logprob is -0.1 * s; the
+    j-th alternative (j = 1..max_logprobs) is `(last + s + j) % vocab_size`
+    with logprob -(0.1 * s + j). So greedy "abc" on a character vocabulary
+    whose letters are consecutive ids continues "defgh".
+    """
+    j = np.arange(1, max_logprobs + 1)
+
+    def fn(req: Request, pos: int) -> SampledToken:
+        last = req.all_token_ids[req.num_prompt_tokens + pos - 1]
+        s = 1 if req.sampling_params.is_greedy else 2 + req.seed % 5
+        return SampledToken(token_id=(last + s) % vocab_size, logprob=-0.1 * s,
+                            top_ids=((last + s + j) % vocab_size).astype(np.int32),
+                            top_logprobs=-(0.1 * s + j).astype(np.float32))
+    return fn
+
+
 @dataclass
 class StepResult:
+    """One `FakeRunner.step()`: the plan, the tokens applied, who finished, the arrays
+    (when `build_batches`) and the simulated clock at the end of the step."""
+
     out: SchedulerOutput
     sampled: dict[str, int]
     finished: list[Request]
     batch: BatchArrays | None
+    clock: float = 0.0
 
 
 class FakeRunner:
-    """Loops `schedule()` / `update_from_output()` with deterministic tokens.
+    """A `Runner` with scripted tokens; optionally the driver of a bare scheduler.
 
     Args:
-      scheduler: the scheduler to drive.
-      token_fn: (request, output_pos) -> token id; default `default_token`.
-      build_batches: also build the padded arrays each step (exercises
-        `build_batch` exactly as the model runner would).
-      check_invariants: call `scheduler.check_invariants()` after every
+      scheduler: the scheduler `step()` / `run()` drive (None when an engine drives).
+      token_fn: (request, output_pos) -> token id or SampledToken; default `default_token`.
+      num_kv_blocks: the pool size reported to an engine (default: the scheduler's).
+      max_logprobs: width of the top_ids / top_logprobs of int tokens.
+      bucket_policy: the shapes `warmup()` reports as ready (default: the scheduler's).
+      block_size / max_blocks_per_seq: the layout of `build_batches` (default:
+        the scheduler's).
+      build_batches: lay out the padded arrays each step (exercises
+        `jaxserve.batch.build_batch` exactly as the model runner does); the
+        last layout is `last_batch`.
+      check_invariants: check the scheduler's bookkeeping after every
         schedule() and update (slow; for tests).
-      on_step: callback(StepResult) after every step.
+      on_step: callback(StepResult) after every `step()`.
+      step_delay: seconds each `execute` sleeps, standing in for device time.
+      fail_step: a predicate; `execute` raises RuntimeError when a row's request
+        matches (fault injection: a failed device step).
+      fail_row: a predicate; a matching row gets a RowError (a failed row).
+      kv_lost_on_reset: what `reset()` reports (a failed step lost the KV cache).
     """
 
-    def __init__(self, scheduler: Scheduler, *, token_fn: TokenFn | None = None,
-                 build_batches: bool = False, check_invariants: bool = False,
-                 on_step: Callable[[StepResult], None] | None = None):
+    def __init__(self, scheduler: Scheduler | None = None, *, token_fn: TokenFn | None = None,
+                 num_kv_blocks: int | None = None, max_logprobs: int = 0,
+                 bucket_policy: BucketPolicy | None = None, block_size: int | None = None,
+                 max_blocks_per_seq: int | None = None, build_batches: bool = False,
+                 check_invariants: bool = False, on_step: Callable[[StepResult], None] | None = None,
+                 step_delay: float = 0.0, fail_step: RequestPredicate | None = None,
+                 fail_row: RequestPredicate | None = None, kv_lost_on_reset: bool = False):
         self.scheduler = scheduler
         self.token_fn = token_fn or (lambda req, pos: default_token(req.request_id, pos))
+        if scheduler is not None:
+            num_kv_blocks = num_kv_blocks or scheduler.kv_cache_manager.num_kv_blocks
+            bucket_policy = bucket_policy or scheduler.bucket_policy
+            block_size = block_size or scheduler.block_size
+            max_blocks_per_seq = max_blocks_per_seq or scheduler.max_blocks_per_seq
+        if build_batches and not (block_size and max_blocks_per_seq):
+            raise ValueError("build_batches needs block_size and max_blocks_per_seq "
+                             "(or a scheduler to take them from)")
+        self.num_kv_blocks = num_kv_blocks or 0
+        self.max_logprobs = max_logprobs
+        self.bucket_policy = bucket_policy
+        self.block_size, self.max_blocks_per_seq = block_size, max_blocks_per_seq
         self.build_batches = build_batches
         self.check = check_invariants
         self.on_step = on_step
-        self.num_steps = 0
+        self.step_delay = step_delay
+        self.fail_step, self.fail_row = fail_step, fail_row
+        self.kv_lost_on_reset = kv_lost_on_reset
+        self.num_resets = 0
+        self.last_batch: BatchArrays | None = None
         self.finished: dict[str, Request] = {}
+        self.clock = 0.0
+        self._stats = RunnerStats()
 
-    def step(self) -> StepResult:
+    @classmethod
+    def for_config(cls, config: "EngineConfig", **kw) -> "FakeRunner":
+        """A fake for an `LLMEngine` built from `config` (`cache.num_kv_blocks` must be
+        set): pool size, layout, logprob width and buckets all from the config."""
+        if config.cache.num_kv_blocks is None:
+            raise ValueError("FakeRunner.for_config needs cache.num_kv_blocks (there is no "
+                             "device memory to size the pool from)")
+        sc = config.scheduler
+        kw.setdefault("max_logprobs", config.max_logprobs)
+        return cls(num_kv_blocks=config.cache.num_kv_blocks, bucket_policy=BucketPolicy.from_config(sc),
+                   block_size=config.cache.block_size,
+                   max_blocks_per_seq=-(-sc.max_model_len // config.cache.block_size), **kw)
+
+    # ------------------------------------------------------------ Runner protocol
+    def warmup(self, *, progress: bool = True) -> None:
+        """Nothing to compile; reports the policy's shapes as ready."""
+        if self.bucket_policy is not None:
+            self._stats.warmup_programs = len(self.bucket_policy.all_shapes())
+
+    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, RowResult]:
+        """Scripted tokens for the plan's sampling rows (see `jaxserve.runner.Runner`).
+
+        Raises:
+          RuntimeError: a row's request matches `fail_step`.
+          ValueError: the plan does not fit its bucket or block table (from build_batch).
+        """
+        if not out.scheduled:
+            return {}
+        if self.build_batches:
+            self.last_batch = build_batch(out, block_size=self.block_size,
+                                          max_blocks_per_seq=self.max_blocks_per_seq)
+        results: dict[str, RowResult] = {}
+        for sr in out.scheduled:
+            req = requests[sr.request_id]
+            if self.fail_step is not None and self.fail_step(req):
+                raise RuntimeError(f"scripted step failure caused by {sr.request_id}")
+            if self.fail_row is not None and self.fail_row(req):
+                results[sr.request_id] = RowError("scripted request failure")
+            elif sr.sample:
+                results[sr.request_id] = self._token(req, sr.output_pos)
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        st = self._stats
+        st.num_steps += 1
+        shape = (out.token_bucket, out.seq_bucket)
+        st.steps_by_shape[shape] = st.steps_by_shape.get(shape, 0) + 1
+        return results
+
+    def _token(self, req: Request, pos: int) -> SampledToken:
+        t = self.token_fn(req, pos)
+        if isinstance(t, SampledToken):
+            return t
+        t = int(t)
+        return SampledToken(t, 0.0, np.full(self.max_logprobs, t, np.int32),
+                            np.zeros(self.max_logprobs, np.float32))
+
+    def reset(self) -> bool:
+        """Counts the call; returns `kv_lost_on_reset`."""
+        self.num_resets += 1
+        return self.kv_lost_on_reset
+
+    def stats(self) -> RunnerStats:
+        """Steps run per shape; no compile counters (nothing is compiled)."""
+        return self._stats
+
+    # ------------------------------------------------------------ driving a bare scheduler
+    def step(self, step_time: Callable[[SchedulerOutput], float] | None = None) -> StepResult:
+        """One iteration over `self.scheduler`: schedule -> execute -> update_from_output.
+
+        Row errors finish their requests with FINISHED_ERROR. `step_time(plan)`
+        advances the simulated clock before `on_step` sees the result.
+        """
         s = self.scheduler
+        if s is None:
+            raise ValueError("FakeRunner.step() needs the scheduler it drives (scheduler=None)")
         out = s.schedule()
         if self.check:
-            s.check_invariants()
-        batch = None
-        if self.build_batches and out.scheduled:
-            batch = build_batch(out, block_size=s.block_size,
-                                max_blocks_per_seq=s.max_blocks_per_seq)
-        sampled = {}
-        for sr in out.scheduled:
-            if sr.sample:
-                sampled[sr.request_id] = self.token_fn(s.requests[sr.request_id], sr.output_pos)
-        finished = s.update_from_output(out, sampled)
+            check_invariants(s)
+        results = self.execute(out, s.requests)
+        errors = [rid for rid, r in results.items() if isinstance(r, RowError)]
+        finished = s.finish_requests(errors, RequestStatus.FINISHED_ERROR) if errors else []
+        sampled = {rid: r.token_id for rid, r in results.items() if isinstance(r, SampledToken)}
+        finished += s.update_from_output(out, sampled)
         if self.check:
-            s.check_invariants()
+            check_invariants(s)
         for r in finished:
             self.finished[r.request_id] = r
-        self.num_steps += 1
-        res = StepResult(out, sampled, finished, batch)
+        if step_time is not None:
+            self.clock += step_time(out)
+        res = StepResult(out, sampled, finished, self.last_batch if self.build_batches else None,
+                         self.clock)
         if self.on_step is not None:
             self.on_step(res)
         return res
@@ -105,7 +252,7 @@ class FakeRunner:
 
         Args:
           arrivals: (arrival time in simulated seconds, request) pairs; each is
-            added once the clock reaches its time.
+            added once the clock reaches its time (stable order on ties).
           max_steps: a livelock guard.
           step_time: simulated seconds one step takes (a constant or a
             function of the plan, e.g. a cost model of the padded shape).
@@ -114,21 +261,44 @@ class FakeRunner:
 
         Raises:
           RuntimeError: more than max_steps steps (the scheduler did not finish).
+          ValueError: the scheduler rejects an arriving request.
         """
+        s = self.scheduler
         pending = sorted(arrivals, key=lambda a: a[0])
-        clock, i = 0.0, 0
+        i = 0
         cost = step_time if callable(step_time) else (lambda out: float(step_time))
         for _ in range(max_steps):
-            while i < len(pending) and pending[i][0] <= clock:
-                self.scheduler.add_request(pending[i][1])
+            while i < len(pending) and pending[i][0] <= self.clock:
+                s.add_request(pending[i][1])
                 i += 1
-            if not self.scheduler.has_unfinished_requests():
+            if not s.has_unfinished_requests():
                 if i == len(pending):
                     return self.finished
-                clock = pending[i][0]
+                self.clock = pending[i][0]
                 continue
-            res = self.step()
-            clock += cost(res.out)
+            self.step(cost)
         raise RuntimeError(f"not finished after max_steps={max_steps} steps: "
-                           f"{self.scheduler.num_running} running, "
-                           f"{self.scheduler.num_waiting} waiting")
+                           f"{s.num_running} running, {s.num_waiting} waiting")
+
+
+def check_invariants(s: Scheduler) -> None:
+    """Assert the scheduler's and the pool's bookkeeping agree (tests, debugging)."""
+    kv = s.kv_cache_manager
+    kv.check_invariants(s.requests)
+    owners = kv.owners()
+    B = s.block_size
+    running_ids = {r.request_id for r in s.running}
+    waiting_ids = {r.request_id for r in s.waiting}
+    assert len(running_ids) == len(s.running) and not running_ids & waiting_ids
+    assert running_ids | waiting_ids == set(s.requests), "a live request is lost"
+    assert len(s.running) <= s.config.max_num_seqs
+    for r in s.running:
+        assert r.status == RequestStatus.RUNNING
+        blocks = owners.get(r.request_id, ())
+        assert len(blocks) * B >= r.num_computed_tokens, f"{r} has too few blocks"
+        # Blocks still to be written are held by this request alone and uncached.
+        for b in blocks[r.num_computed_tokens // B:]:
+            assert kv.ref_count(b) == 1 and not kv.is_cached(b), f"{r}: block {b} shared"
+    for r in s.waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert r.num_computed_tokens == 0 and r.request_id not in owners

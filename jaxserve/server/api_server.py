@@ -37,7 +37,7 @@ logger = logging.getLogger("jaxserve.server")
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.to_dict(), status_code=e.status)
+    return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
 
 
 def _validation_to_api_error(exc: RequestValidationError) -> APIError:
@@ -92,8 +92,32 @@ def format_startup_banner(engine: Any, *, host: str, port: int, model_name: str,
     return "\n".join(lines)
 
 
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error object (see the module docstring for the statuses)."""
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        return _error_response(_validation_to_api_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        msg = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+               else str(exc.detail))
+        return _error_response(APIError(exc.status_code, msg))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        logger.exception("unhandled error in a request handler")
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                        err_type="server_error"))
+
+
 def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] | None = None,
-              api_key: str | None = None, host: str = "127.0.0.1", port: int = 0) -> FastAPI:
+              api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
+              max_queued_requests: int | None = None) -> FastAPI:
     """Build the FastAPI app around an engine (or a zero-arg factory that builds one).
 
     The app's lifespan starts the engine loop thread (the factory, if given,
@@ -107,6 +131,8 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
         None means the engine's `model_name` attribute (else "jaxserve").
       api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`.
       host, port: only used for the startup banner.
+      max_queued_requests: bound on requests waiting to be scheduled; past it a new
+        request gets 503 with Retry-After (None: unbounded).
     """
     if served_model_name is None:
         names: list[str] = []  # resolved to engine.model_name once the engine exists
@@ -119,7 +145,8 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
     holder: dict[str, Any] = {}
     aengine = AsyncEngine(engine_or_factory,
                           on_step=lambda s: holder["metrics"].on_step(s),
-                          on_finished=lambda d: holder["metrics"].on_finished(d))
+                          on_finished=lambda d: holder["metrics"].on_finished(d),
+                          max_queued_requests=max_queued_requests)
     metrics = holder["metrics"] = ServerMetrics(lambda: aengine.stats)
 
     @contextlib.asynccontextmanager
@@ -148,25 +175,7 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key")
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        return _error_response(_validation_to_api_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        msg = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
-               else str(exc.detail))
-        return _error_response(APIError(exc.status_code, msg))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        logger.exception("unhandled error in a request handler")
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                        err_type="server_error"))
+    _install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -230,7 +239,8 @@ class JaxserveServer(uvicorn.Server):
 
 def serve(engine_or_factory: Any, *, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
-          log_level: str = "info", timeout_graceful_shutdown: float = 5.0) -> None:
+          log_level: str = "info", timeout_graceful_shutdown: float = 5.0,
+          max_queued_requests: int | None = None) -> None:
     """Run the server until SIGTERM/SIGINT; returns after a clean shutdown.
 
     Args:
@@ -241,10 +251,11 @@ def serve(engine_or_factory: Any, *, host: str = "127.0.0.1", port: int = 8000,
       api_key: optional bearer token required on /v1/*.
       log_level: uvicorn log level.
       timeout_graceful_shutdown: seconds to wait for open connections on shutdown.
+      max_queued_requests: bound on waiting requests (503 + Retry-After past it).
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(engine_or_factory, served_model_name=served_model_name, api_key=api_key,
-                    host=host, port=port)
+                    host=host, port=port, max_queued_requests=max_queued_requests)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=timeout_graceful_shutdown)
     server = JaxserveServer(config)

@@ -22,9 +22,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Union
 
+from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine module loads jax; the server imports it only when it builds one
+    from jaxserve.engine import LLMEngine
+
+EngineOrFactory = Union["LLMEngine", Callable[[], "LLMEngine"]]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +69,7 @@ class RequestDelta:
     request_id: str
     outputs: tuple[CompletionDelta, ...]
     finished: bool
-    metrics: Any = None
+    metrics: RequestMetrics | None = None
     error: str | None = None
     status: int = 500
 
@@ -85,6 +91,10 @@ class AddRequestError(ValueError):
     def __init__(self, index: int, cause: ValueError):
         super().__init__(str(cause))
         self.index = index
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_queued_requests`; the server answers 503 + Retry-After."""
 
 
 class RequestGroup:
@@ -126,7 +136,7 @@ class RequestGroup:
         self._engine._unregister(self)
 
 
-def _snapshot(out: Any) -> RequestDelta:
+def _snapshot(out: RequestOutput) -> RequestDelta:
     comps = tuple(
         CompletionDelta(
             index=c.index, text=c.delta_text, token_ids=tuple(c.delta_token_ids),
@@ -142,21 +152,30 @@ class AsyncEngine:
     """Own an engine on a background thread and serve asyncio callers.
 
     Args:
-      engine_or_factory: an `LLMEngine`-like object, or a zero-argument callable
+      engine_or_factory: an `LLMEngine`, or a zero-argument callable
         that builds one (run on the loop thread, so warm-up happens while the
         HTTP server already answers 503 "warming up").
       on_step: optional callback `(stats: dict) -> None` run on the loop thread
         after every step (metrics).
       on_finished: optional callback `(delta: RequestDelta) -> None` run on the
         loop thread for every finished request (latency histograms).
+      max_queued_requests: most engine requests waiting to be scheduled (None:
+        unbounded). An add that would exceed it fails with `QueueFullError`
+        (checked on the loop thread, so a burst cannot overshoot).
 
     States: "starting" -> "ready" -> "stopping" -> "stopped", or "failed" when
     the factory raised.
     """
 
-    def __init__(self, engine_or_factory: Any, *,
+    def __init__(self, engine_or_factory: EngineOrFactory, *,
                  on_step: Callable[[dict], None] | None = None,
-                 on_finished: Callable[[RequestDelta], None] | None = None):
+                 on_finished: Callable[[RequestDelta], None] | None = None,
+                 max_queued_requests: int | None = None):
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests={max_queued_requests} must be >= 0 or None")
+        self.max_queued_requests = max_queued_requests
+        self.engine: LLMEngine | None
+        self._factory: Callable[[], LLMEngine] | None
         if callable(engine_or_factory) and not hasattr(engine_or_factory, "add_request"):
             self._factory, self.engine = engine_or_factory, None
         else:
@@ -317,6 +336,13 @@ class AsyncEngine:
         if self.state != "ready":
             fut.set_exception(RuntimeError(f"engine is {self.state}"))
             return
+        if self.max_queued_requests is not None:
+            waiting = self.engine.get_stats()["num_waiting"]
+            if waiting + len(requests) > self.max_queued_requests:
+                fut.set_exception(QueueFullError(
+                    f"server overloaded: {waiting} requests waiting + {len(requests)} new "
+                    f"exceeds max_queued_requests={self.max_queued_requests}"))
+                return
         added: list[str] = []
         prompt_ids: list[list[int]] = []
         for i, r in enumerate(requests):
@@ -379,7 +405,11 @@ class AsyncEngine:
 
     def _refresh_stats(self) -> None:
         try:
-            self.stats = dict(self.engine.get_stats(), engine_step_failures=self.num_step_failures)
+            stats = self.engine.get_stats()
+            # Steps that failed: raised out of engine.step(), or failed inside it (the
+            # engine failed their requests itself and carried on).
+            self.stats = dict(stats, engine_step_failures=self.num_step_failures
+                              + stats.get("num_failed_steps", 0))
         except Exception:  # noqa: BLE001
             logger.exception("engine.get_stats() failed")
 

@@ -17,12 +17,12 @@ for one output token (prompt_tokens >= max_model_len) is a 400 from the engine.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.sampling_params import MAX_N, SamplingParams
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.validation import Limits, Range, ValidationError, run_rules, validate_sampling_params
 
 # Most choices (prompts x n) one HTTP request may ask for: a bound on the
 # work one body can enqueue, so a single request cannot flood the scheduler.
@@ -38,11 +38,14 @@ class APIError(Exception):
       param: the request field at fault, or None.
       err_type: OpenAI error type ("invalid_request_error", ...).
       code: optional machine code ("model_not_found", ...).
+      headers: extra response headers (Retry-After on a 503 overload).
     """
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 err_type: str | None = None, code: str | None = None):
+                 err_type: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -184,28 +187,43 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     return out
 
 
-_PARAM_RE = re.compile(r"SamplingParams\.(\w+)=")
+# Body fields that are not SamplingParams fields, checked by the same validator.
+# (issue 17 adds logit_bias / response_format rules here.)
+BODY_RULES = (
+    Range("priority", int, -(2**63), 2**63 - 1, note="lower runs first under the priority policy"),
+)
+
+
+def validation_error(e: ValidationError, *, rename: dict[str, str] | None = None) -> APIError:
+    """The 400 of a validator error: the same text, `param` the top-level field."""
+    param = (rename or {}).get(e.param, e.param)
+    msg = str(e)
+    if param != e.param:
+        msg = param + msg[len(e.param):]
+    return APIError(400, msg, param=param)
 
 
 def _check_common(req: _SamplingFields, served_model_names: list[str]) -> None:
     if req.model is not None and req.model not in served_model_names:
         raise APIError(400, f"model={req.model!r} does not exist; this server serves "
                        f"{served_model_names}", param="model", code="model_not_found")
-    if not 1 <= req.n <= MAX_N:
-        raise APIError(400, f"n={req.n} is out of range: must be in [1, {MAX_N}]", param="n")
+    if req.stream_options is not None and not req.stream:
+        # OpenAI and vLLM: stream_options only make sense for a streamed response.
+        raise APIError(400, "stream_options is only allowed when stream is true",
+                       param="stream_options")
+    try:
+        run_rules(req, BODY_RULES)
+    except ValidationError as e:
+        raise validation_error(e) from e
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
 
 def _build_params(req: _SamplingFields, *, max_tokens: int | None, max_tokens_field: str,
-                  logprobs: int | None) -> SamplingParams:
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"{max_tokens_field}={max_tokens} is invalid: must be an int >= 1, or "
-                       "omitted for 'up to max_model_len - prompt tokens'",
-                       param=max_tokens_field)
+                  logprobs: int | None, limits: Limits | None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_k=req.top_k, top_p=1.0 if req.top_p is None else req.top_p, min_p=req.min_p,
@@ -214,17 +232,17 @@ def _build_params(req: _SamplingFields, *, max_tokens: int | None, max_tokens_fi
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens)
-    except ValueError as e:
-        m = _PARAM_RE.search(str(e))
-        param = m.group(1) if m else None
-        if param == "max_tokens":
-            param = max_tokens_field
-        raise APIError(400, str(e).replace("SamplingParams.", ""), param=param) from e
+        return validate_sampling_params(params, limits)
+    except ValidationError as e:
+        raise validation_error(e, rename={"max_tokens": max_tokens_field}) from e
 
 
 def completion_params(req: CompletionRequest, *, served_model_names: list[str],
-                      max_logprobs: int) -> SamplingParams:
+                      max_logprobs: int, limits: Limits | None = None) -> SamplingParams:
     """Validate a completions body and build its `SamplingParams`.
+
+    `limits` (the served model's) adds the model-dependent checks of
+    `jaxserve.validation` (token ids in the vocabulary, lengths, top_k clamp).
 
     Raises:
       APIError(400): naming the bad field (model, n, max_tokens, logprobs, echo, ...).
@@ -242,11 +260,11 @@ def completion_params(req: CompletionRequest, *, served_model_names: list[str],
         raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not "
                        "computed)", param="echo")
     return _build_params(req, max_tokens=req.max_tokens, max_tokens_field="max_tokens",
-                         logprobs=req.logprobs)
+                         logprobs=req.logprobs, limits=limits)
 
 
 def chat_params(req: ChatCompletionRequest, *, served_model_names: list[str],
-                max_logprobs: int) -> SamplingParams:
+                max_logprobs: int, limits: Limits | None = None) -> SamplingParams:
     """Validate a chat body and build its `SamplingParams`.
 
     `max_completion_tokens` wins over the deprecated `max_tokens` when both are set.
@@ -273,7 +291,8 @@ def chat_params(req: ChatCompletionRequest, *, served_model_names: list[str],
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, field = req.max_tokens, "max_tokens"
-    return _build_params(req, max_tokens=max_tokens, max_tokens_field=field, logprobs=logprobs)
+    return _build_params(req, max_tokens=max_tokens, max_tokens_field=field, logprobs=logprobs,
+                         limits=limits)
 
 
 def check_num_choices(num_prompts: int, n: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,16 +25,27 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.server.async_engine import (AddRequestError, AsyncEngine, CompletionDelta,
-                                          EngineRequest, RequestDelta, RequestGroup)
+                                          EngineRequest, QueueFullError, RequestDelta,
+                                          RequestGroup)
 from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                       chat_messages, chat_params, check_num_choices,
-                                      completion_params, normalize_prompts)
+                                      completion_params, normalize_prompts, validation_error)
+from jaxserve.validation import Limits, ValidationError, validate_prompt
 
 # How often a non-streaming handler asks whether its client is still there (s).
 DISCONNECT_POLL_S = 0.1
 
+# Seconds a client is told to wait (Retry-After) when the waiting queue is full.
+RETRY_AFTER_S = 1
+# A validator message starts with its field: "stop_token_ids[2]=...".
+_FIELD_RE = re.compile(r"^([a-z_]+)(?:\[\d+\])*=")
+
 _ENGINE_PARAMS = ("prompt", "messages", "max_tokens", "n", "stop_token_ids", "logprobs",
                   "priority", "seed", "top_k", "min_tokens")
+
+
+_SAMPLING_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(
+    ChatCompletionRequest.model_fields)
 
 
 @dataclass
@@ -80,6 +92,9 @@ class _Acc:
 
 
 def _guess_param(msg: str) -> str | None:
+    m = _FIELD_RE.match(msg)
+    if m and m.group(1) in _SAMPLING_FIELDS:
+        return m.group(1)
     low = msg.lower()
     for p in _ENGINE_PARAMS:
         if p in low:
@@ -136,6 +151,12 @@ class OpenAIServing:
             raise APIError(503, f"the engine is {self.engine.state}; retry later")
 
     @property
+    def limits(self) -> Limits | None:
+        """The served model's limits for the validator (None before the engine exists)."""
+        cfg = getattr(self.engine.engine, "config", None)
+        return None if cfg is None else Limits.from_config(cfg)
+
+    @property
     def max_logprobs(self) -> int:
         """The largest `logprobs` / `top_logprobs` accepted (EngineConfig.max_logprobs)."""
         return getattr(getattr(self.engine.engine, "config", None), "max_logprobs", 20)
@@ -156,6 +177,9 @@ class OpenAIServing:
         except AddRequestError as e:
             where = f" (prompt[{e.index}])" if len(reqs) > 1 else ""
             raise APIError(400, f"{e}{where}", param=_guess_param(str(e))) from e
+        except QueueFullError as e:
+            raise APIError(503, f"{e}; retry later",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
         except RuntimeError as e:
             raise APIError(503, f"{e}; retry later") from e
 
@@ -207,10 +231,19 @@ class OpenAIServing:
     # ------------------------------------------------------------------ completions
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self._require_ready()
+        limits = self.limits
         params = completion_params(req, served_model_names=self.model_names,
-                                   max_logprobs=self.max_logprobs)
+                                   max_logprobs=self.max_logprobs, limits=limits)
         prompts = normalize_prompts(req.prompt)
         check_num_choices(len(prompts), req.n)
+        if limits is not None:
+            for i, p in enumerate(prompts):
+                if isinstance(p, list):
+                    try:
+                        validate_prompt(p, limits, field="prompt" if len(prompts) == 1
+                                        else f"prompt[{i}]")
+                    except ValidationError as e:
+                        raise validation_error(e) from e
         base = f"cmpl-{uuid.uuid4().hex}"
         reqs = [EngineRequest(f"{base}-{i}", p, params, priority=req.priority)
                 for i, p in enumerate(prompts)]
@@ -276,7 +309,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._require_ready()
         params = chat_params(req, served_model_names=self.model_names,
-                             max_logprobs=self.max_logprobs)
+                             max_logprobs=self.max_logprobs, limits=self.limits)
         messages = chat_messages(req)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         group = await self._submit([EngineRequest(base, None, params, messages=messages,

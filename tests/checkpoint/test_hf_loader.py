@@ -103,9 +103,16 @@ def test_garbage_safetensors_names_file(tmp_path):
 def test_wrong_architecture(tmp_path):
     d = _copy("tiny_untied", tmp_path)
     c = json.loads((d / "config.json").read_text())
-    c.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    c.update(model_type="gemma", architectures=["GemmaForCausalLM"])
     (d / "config.json").write_text(json.dumps(c))
-    with pytest.raises(CheckpointError, match=r"config\.json.*unsupported architecture.*mistral"):
+    with pytest.raises(CheckpointError, match=r"config\.json.*unsupported architecture.*'gemma'.*"
+                                              r"supported model_type: \['llama', 'mistral', 'qwen2'"):
+        load_model(d, cache_dir=None, progress=False)
+    # A known model_type whose class is another one is just as unsupported.
+    c.update(model_type="llama", architectures=["LlamaForSequenceClassification"])
+    (d / "config.json").write_text(json.dumps(c))
+    with pytest.raises(CheckpointError, match=r"LlamaForSequenceClassification.*expected "
+                                              r"LlamaForCausalLM"):
         load_model(d, cache_dir=None, progress=False)
 
 

@@ -27,10 +27,11 @@ class Batch:
     num_seqs: int
     block_size: int
 
-    def metadata_kwargs(self) -> dict:
+    def common_kwargs(self) -> dict:
+        """The fields of a `CommonAttentionMetadata` for this batch."""
         return dict(slot_mapping=self.slot_mapping, query_start_loc=self.query_start_loc,
                     seq_lens=self.seq_lens, block_table=self.block_table,
-                    num_seqs=self.num_seqs, block_size=self.block_size)
+                    num_seqs=np.int32(self.num_seqs))
 
     @property
     def num_tokens(self) -> int:
@@ -93,3 +94,25 @@ def named_mixes(block_size: int, max_len: int) -> dict[str, tuple[list[int], lis
         "mixed": ([1, 1, 37, 1, 9, 1], [max_len, b + 1, 37 + 21, 1, 9, b]),
         "long_q": ([50, 1], [50 + 2 * b, 3 * b]),
     }
+
+
+def load_gpu_check():
+    """scripts/gpu_check.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def empty_common(num_tokens: int, num_seqs: int, pages: int):
+    """An all-padding step's `CommonAttentionMetadata` (what warm-up lowers): T, S, P."""
+    from jaxserve.model.attention import CommonAttentionMetadata
+
+    return CommonAttentionMetadata(
+        slot_mapping=np.zeros(num_tokens, np.int32),
+        query_start_loc=np.zeros(num_seqs + 1, np.int32), seq_lens=np.zeros(num_seqs, np.int32),
+        block_table=np.zeros((num_seqs, pages), np.int32), num_seqs=np.int32(0))

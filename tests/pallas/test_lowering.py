@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from jaxserve.model import attention as attn
+from jaxserve.model.attention.pallas_triton import PallasTritonBackend
+from tests.pallas.cases import empty_common
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -28,10 +28,9 @@ def _h200_mesh():
 
 
 def _lower_step(*, t, s, h, k, d, dtype, layers=2, blocks=64, block_size=16, pages=32):
-    md = attn.make_attention_metadata(
-        slot_mapping=np.zeros(t, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
-        seq_lens=np.zeros(s, np.int32), block_table=np.zeros((s, pages), np.int32),
-        num_seqs=0, block_size=block_size, num_queries_per_kv=h // k)
+    # Not interpret: this lowers the real kernels (no GPU is needed to lower for cuda).
+    be = PallasTritonBackend(block_size=block_size, num_queries_per_kv=h // k, head_dim=d)
+    md = be.prepare(empty_common(t, s, pages))
     sds = jax.ShapeDtypeStruct
     md_spec = jax.tree.map(lambda x: sds(x.shape, x.dtype), md)
     cache = sds((layers, blocks, block_size, k, d), dtype)
@@ -41,8 +40,8 @@ def _lower_step(*, t, s, h, k, d, dtype, layers=2, blocks=64, block_size=16, pag
             kc, vc = carry
             q = jnp.broadcast_to(x[:, None, :d], (t, h, d))
             kv = jnp.broadcast_to(x[:, None, :d], (t, k, d))
-            kc, vc = attn.write_kv(kc, vc, kv, kv, md, layer=li, backend="pallas")
-            o = attn.attention(q, kc, vc, md, layer=li, sm_scale=d ** -0.5, backend="pallas")
+            kc, vc = be.write_kv(kc, vc, kv, kv, md, layer=li)
+            o = be.attention(q, kc, vc, md, layer=li, sm_scale=d ** -0.5)
             return (kc, vc), o.sum()
         (kc, vc), ys = lax.scan(layer_fn, (kc, vc), jnp.arange(layers, dtype=jnp.int32))
         return ys, kc, vc
@@ -50,7 +49,7 @@ def _lower_step(*, t, s, h, k, d, dtype, layers=2, blocks=64, block_size=16, pag
     with jax.sharding.use_abstract_mesh(_h200_mesh()):
         lowered = jax.jit(step, donate_argnums=(1, 2)).trace(
             sds((t, d), dtype), cache, cache, md_spec).lower(lowering_platforms=("cuda",))
-    return lowered.as_text(), md.pallas_block_q
+    return lowered.as_text(), md.block_q
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

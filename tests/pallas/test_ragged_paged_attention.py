@@ -14,7 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model import attention as attn
+from jaxserve.model.attention import CommonAttentionMetadata
+from jaxserve.model.attention.common import num_query_tiles, query_tiles
+from jaxserve.model.attention.pallas_triton import PallasTritonBackend, choose_block_q
+from jaxserve.model.attention.reference import reference_ragged_paged_attention
+from jaxserve.model.attention.xla import XlaBackend
 from jaxserve.pallas import ragged_paged_attention as rpa
 from tests.pallas.cases import named_mixes, random_batch
 
@@ -24,14 +28,17 @@ TOL = {np.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
 @functools.lru_cache(maxsize=None)
-def _attention_fn(backend: str, pallas_block_q: int | None):
-    del pallas_block_q  # part of the cache key only: it is a static field of md
-    return jax.jit(functools.partial(_call, backend=backend))
+def _backend(name: str, num_queries_per_kv: int, head_dim: int, block_q: int | None):
+    if name == "xla":
+        return XlaBackend(block_size=B)
+    return PallasTritonBackend(block_size=B, num_queries_per_kv=num_queries_per_kv,
+                               head_dim=head_dim, block_q=block_q, interpret=True)
 
 
-def _call(q, kc, vc, md, *, backend):
-    return attn.attention(q, kc, vc, md, sm_scale=q.shape[-1] ** -0.5, backend=backend,
-                          interpret=True)
+@functools.lru_cache(maxsize=None)
+def _attention_fn(backend):
+    return jax.jit(lambda q, kc, vc, md: backend.attention(q, kc, vc, md, layer=None,
+                                                           sm_scale=q.shape[-1] ** -0.5))
 
 
 def _mix_list():
@@ -51,14 +58,14 @@ def _check(backend, mix, *, h, k, d, dtype=np.float32, seed=0, pallas_block_q=No
                          num_tokens=T_PAD, num_seqs=S_PAD, max_blocks_per_seq=P,
                          num_kv_blocks=N, block_size=B, num_heads=h, num_kv_heads=k,
                          head_dim=d, dtype=dtype)
-    md = attn.make_attention_metadata(**batch.metadata_kwargs(), num_queries_per_kv=h // k,
-                                      pallas_block_q=pallas_block_q)
-    out = _attention_fn(backend, md.pallas_block_q)(
+    be = _backend(backend, h // k, d, pallas_block_q)
+    md = be.prepare(CommonAttentionMetadata(**batch.common_kwargs()))
+    out = _attention_fn(be)(
         jnp.asarray(batch.q), jnp.asarray(batch.k_cache), jnp.asarray(batch.v_cache),
         jax.tree.map(jnp.asarray, md))
     assert out.dtype == jnp.dtype(dtype) and out.shape == batch.q.shape
     out = np.asarray(out.astype(jnp.float32))
-    ref = rpa.reference_ragged_paged_attention(
+    ref = reference_ragged_paged_attention(
         batch.q.astype(np.float32), batch.k_cache.astype(np.float32),
         batch.v_cache.astype(np.float32), batch.query_start_loc, batch.seq_lens,
         batch.block_table, batch.num_seqs, sm_scale=d ** -0.5)
@@ -111,7 +118,7 @@ def test_pallas_rejects_shapes_triton_cannot_take():
 
 def test_query_tiles_hand_example():
     # seqs: q_len 5 (ctx 3), q_len 1 (ctx 9), padded slot; block_q 4
-    t = rpa.query_tiles(np.array([0, 5, 6, 6]), np.array([8, 10, 0]), np.array([5, 1, 0]),
+    t = query_tiles(np.array([0, 5, 6, 6]), np.array([8, 10, 0]), np.array([5, 1, 0]),
                         block_q=4, num_tiles=5)
     np.testing.assert_array_equal(t["tile_seq"], [0, 0, 1, 0, 0])
     np.testing.assert_array_equal(t["tile_q_start"], [0, 4, 5, 0, 0])
@@ -119,7 +126,7 @@ def test_query_tiles_hand_example():
     np.testing.assert_array_equal(t["tile_kv_end"], [7, 8, 10, 0, 0])
     np.testing.assert_array_equal(t["num_tiles"], [3])
     with pytest.raises(ValueError, match="num_tiles=2"):
-        rpa.query_tiles(np.array([0, 5, 6, 6]), np.array([8, 10, 0]), np.array([5, 1, 0]),
+        query_tiles(np.array([0, 5, 6, 6]), np.array([8, 10, 0]), np.array([5, 1, 0]),
                         block_q=4, num_tiles=2)
 
 
@@ -129,4 +136,13 @@ def test_num_query_tiles_bound_holds():
         t, s, bq = int(rng.integers(1, 300)), int(rng.integers(1, 40)), int(rng.choice([1, 4, 16]))
         cuts = np.sort(rng.integers(0, t + 1, size=s - 1)) if s > 1 else np.array([], int)
         q = np.diff(np.concatenate([[0], cuts, [t]]))
-        assert (-(-q // bq)).sum() <= rpa.num_query_tiles(t, s, bq)
+        assert (-(-q // bq)).sum() <= num_query_tiles(t, s, bq)
+
+
+def test_choose_block_q_by_bucket_kind():
+    # SmolLM2's 9 / 3 heads pad to 4 rows per token: a decode bucket takes the 16-row minimum
+    # of tl.dot (4 tokens), a prefill bucket 64-row tiles (16 tokens); H/K = 1 never goes below 16.
+    assert choose_block_q(256, 256, 3) == 4
+    assert choose_block_q(512, 64, 3) == 16
+    assert choose_block_q(8, 8, 1) == 16
+    assert choose_block_q(64, 4, 8) == 8

@@ -8,7 +8,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import Scheduler
-from jaxserve.scheduler.testing import default_token
+from jaxserve.scheduler.testing import check_invariants, default_token
 
 
 def make_scheduler(*, budget=32, max_seqs=8, max_model_len=256, block_size=4, num_kv_blocks=64,
@@ -43,7 +43,7 @@ def expected_tokens(rid: str, n: int) -> list[int]:
 def assert_pool_clean(s: Scheduler) -> None:
     """Every block is free again (cached blocks nobody holds count as free)."""
     kv = s.kv_cache_manager
-    s.check_invariants()
+    check_invariants(s)
     assert kv.num_free_blocks == kv.num_blocks, (kv.num_free_blocks, kv.num_blocks)
     assert kv.usage == 0.0
     assert not s.has_unfinished_requests() and s.num_running == 0 and s.num_waiting == 0

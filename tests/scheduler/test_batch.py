@@ -4,7 +4,7 @@ to the null block, and the offsets are checked by hand."""
 import numpy as np
 import pytest
 
-from jaxserve.scheduler.batch import build_batch
+from jaxserve.batch import build_batch
 from jaxserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from jaxserve.scheduler.testing import FakeRunner
 

@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.batch import build_batch
+from jaxserve.batch import build_batch
 from jaxserve.scheduler.scheduler import Scheduler
-from jaxserve.scheduler.testing import default_token
+from jaxserve.scheduler.testing import check_invariants, default_token
 
 from ._util import expected_tokens
 
@@ -122,13 +122,13 @@ def test_random_workloads_finish_exactly_and_leak_nothing(wl):
         if step > last_arrival and not s.has_unfinished_requests():
             break
         out = s.schedule()
-        s.check_invariants()
+        check_invariants(s)
         _check_step(s, cfg, out, readmit, model_computed)
         toks = {r.request_id: default_token(r.request_id, r.output_pos)
                 for r in out.scheduled if r.sample}
         for r in s.update_from_output(out, toks):
             done[r.request_id] = r
-        s.check_invariants()
+        check_invariants(s)
         assert kv.num_free_blocks + kv.num_used_blocks == kv.num_blocks
     else:
         raise AssertionError("livelock: requests never finished")

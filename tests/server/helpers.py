@@ -1,9 +1,14 @@
 """Server test helpers: a real uvicorn server on 127.0.0.1 in a background thread.
 
-The engine is swappable: `JAXSERVE_SERVER_TEST_ENGINE=fake` (default) uses
-`FakeEngine` (scripted, hand-checkable tokens); `=tiny` uses the real tiny
-`LLMEngine` of tests/conftest.py. Tests whose expected values come from the
-fake's arithmetic are marked `fake_only` and skipped for the real engine.
+The server always runs a real `LLMEngine` with the tiny character tokenizer
+of tests/conftest.py; what executes the steps is swappable:
+`JAXSERVE_SERVER_TEST_ENGINE=fake` (default) uses the `FakeRunner` with
+`counting_token` (hand-checkable tokens, milliseconds per step); `=tiny` uses
+the real tiny-model `ModelRunner`. Tests whose expected values come from the
+fake's arithmetic are marked `fake_only` and skipped for the real runner.
+
+The tiny vocabulary (67 ids): 0 <pad>, 1 <s>, 2 </s> (EOS), 3 ' ', 4..29 a-z,
+30..55 A-Z, 56..65 0-9, 66 <unk>; so greedy counting from "abc" reads "defgh".
 """
 
 from __future__ import annotations
@@ -19,25 +24,44 @@ import httpx
 import pytest
 import uvicorn
 
+from conftest import tiny_tokenizer  # the module object pytest loaded: one tokenizer/engine cache
+from jaxserve.config import ModelConfig
+from jaxserve.engine import LLMEngine, make_engine_config
+from jaxserve.scheduler.testing import FakeRunner, counting_token
 from jaxserve.server import JaxserveServer, build_app
-from .fake_engine import FakeEngine, fake_config
 
 ENGINE_KIND = os.environ.get("JAXSERVE_SERVER_TEST_ENGINE", "fake")
 MODEL = "fake-model"
+SERVER_DEFAULTS = dict(max_model_len=64, block_size=4, num_kv_blocks=257, max_num_seqs=16,
+                       max_num_batched_tokens=32)
+
+
+def _prompt_has(marker: str):
+    tok = tiny_tokenizer()
+    return lambda req: marker in tok.decode(req.prompt_token_ids)
+
+
+def fake_engine(*, step_delay: float = 0.001, **engine_args: Any) -> LLMEngine:
+    """A real `LLMEngine` over the `FakeRunner` (no model): counting tokens, and fault
+    injection: a prompt containing "STEPFAIL" makes its steps raise, one containing
+    "REQFAIL" fails that request alone (a row error)."""
+    args = dict(SERVER_DEFAULTS, **engine_args)
+    model = ModelConfig.tiny(max_position_embeddings=max(512, args["max_model_len"]))
+    config = make_engine_config(model, **args)
+    runner = FakeRunner.for_config(
+        config, token_fn=counting_token(model.vocab_size, config.max_logprobs),
+        step_delay=step_delay, fail_step=_prompt_has("STEPFAIL"), fail_row=_prompt_has("REQFAIL"))
+    return LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, model_name=MODEL)
 
 
 def make_engine(**cfg: Any):
-    """An engine of the selected kind; `cfg` are fake_config / engine arguments."""
+    """An engine of the selected kind; `cfg` are engine arguments (and `step_delay`)."""
     if ENGINE_KIND == "fake":
-        step_delay = cfg.pop("step_delay", 0.001)
-        return FakeEngine(fake_config(**cfg), step_delay=step_delay, model_name=MODEL)
-    from conftest import tiny_engine  # the same module object pytest loaded: one engine cache
+        return fake_engine(**cfg)
+    from conftest import tiny_engine
 
     cfg.pop("step_delay", None)
-    args = dict(max_model_len=64, block_size=4, num_kv_blocks=257, max_num_seqs=16,
-                max_num_batched_tokens=32)
-    args.update(cfg)
-    return tiny_engine(**args)
+    return tiny_engine(**dict(SERVER_DEFAULTS, **cfg))
 
 
 class LiveServer:
@@ -128,4 +152,4 @@ def healthy_probe(srv: LiveServer) -> None:
 
 
 fake_only = pytest.mark.skipif(ENGINE_KIND != "fake",
-                               reason="expected values come from FakeEngine's arithmetic")
+                               reason="expected values come from the FakeRunner's arithmetic")

@@ -170,8 +170,8 @@ C19_CASES = {
     "chunked_prefill_max1": dict(prompt="abcd" * 16, max_tokens=1),
     "n3": dict(prompt="usage", max_tokens=20, n=3, ignore_eos=True),
     "stop_string": dict(prompt="a", max_tokens=20, stop=["fg"]),
-    # FakeEngine reaches EOS (256) from 250 in 6 tokens; other engines just run this case.
-    "eos": dict(prompt=[250] if ENGINE_KIND == "fake" else [60], max_tokens=20),
+    # The FakeRunner counts from 63 to EOS (2) in 6 tokens; the tiny model just runs this case.
+    "eos": dict(prompt=[63] if ENGINE_KIND == "fake" else [60], max_tokens=20),
     "length": dict(prompt="len", max_tokens=7, ignore_eos=True),
 }
 
@@ -220,14 +220,15 @@ def test_c19_hand_checked_counts(chunky):
     r = httpx.post(chunky.url(CMPL), json={"model": MODEL, "prompt": "abcd" * 16, "max_tokens": 1,
                                            "temperature": 0}).json()
     assert r["usage"] == {"prompt_tokens": 64, "completion_tokens": 1, "total_tokens": 65}
-    r = httpx.post(chunky.url(CMPL), json={"model": MODEL, "prompt": [250], "max_tokens": 20,
+    r = httpx.post(chunky.url(CMPL), json={"model": MODEL, "prompt": [63], "max_tokens": 20,
                                            "temperature": 0}).json()
-    assert r["usage"]["completion_tokens"] == 6  # 251..255, then EOS (counted, no text)
+    assert r["usage"]["completion_tokens"] == 6  # 64 65 66 0 1, then EOS 2 (counted, no text)
     r = httpx.post(chunky.url(CHAT), json={"model": MODEL, "max_tokens": 20, "temperature": 0,
                                            "n": 3, "ignore_eos": True,
                                            "messages": [{"role": "user", "content": "usage"}]})
-    assert r.json()["usage"] == {"prompt_tokens": 1 + len("user: usage\nassistant: "),
-                                 "completion_tokens": 60, "total_tokens": 84}
+    prompt_tokens = 1 + len("user usage") + 1 + len("assistant ")  # the tiny chat template
+    assert r.json()["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 60,
+                                 "total_tokens": 82}
 
 
 # ---------------------------------------------------------------- C09
@@ -263,9 +264,10 @@ def test_c09_request_larger_than_pool_is_rejected_without_starving(small_pool):
 
 
 @fake_only
-@pytest.mark.parametrize("prompt_len,ok", [(59, True), (60, True), (61, False)])
+@pytest.mark.parametrize("prompt_len,ok", [(60, True), (61, True), (62, False)])
 def test_c09_pool_boundary(small_pool, prompt_len, ok):
-    # FakeEngine reserves ceil(prompt/4) + ceil(max_tokens/4) blocks: 60 + 4 tokens = 16 blocks.
+    # The scheduler needs ceil((prompt + max_tokens - 1) / 4) blocks (the last output token's
+    # KV is never written): 61 + 4 - 1 = 64 tokens = 16 blocks, the whole usable pool.
     r = httpx.post(small_pool.url(CMPL), json={"model": MODEL, "prompt": [5] * prompt_len,
                                                "max_tokens": 4, "ignore_eos": True}, timeout=30)
     assert r.status_code == (200 if ok else 400), r.text

@@ -59,7 +59,7 @@ def _assert_released(s, baseline: float) -> None:
 def test_c08_disconnect_mid_stream_mid_prefill_and_n3(srv):
     baseline = metrics_values(httpx.get(srv.url("/metrics")).text)["jaxserve:num_free_blocks"]
     url = srv.url(CMPL)
-    aborted0 = len(getattr(srv.engine, "aborted", []))
+    aborted0 = srv.engine.num_aborted
 
     async def main():
         async with httpx.AsyncClient(timeout=30) as client:
@@ -73,7 +73,7 @@ def test_c08_disconnect_mid_stream_mid_prefill_and_n3(srv):
     asyncio.run(main())
     _assert_released(srv, baseline)
     if ENGINE_KIND == "fake":
-        assert len(srv.engine.aborted) - aborted0 == 60
+        assert srv.engine.num_aborted - aborted0 == 60
 
 
 def test_c08_non_stream_client_timeout(srv):

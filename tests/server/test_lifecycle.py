@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .fake_engine import FakeEngine, fake_config
-from .helpers import MODEL, healthy_probe, metrics_values, running_server, wait_idle
+from .helpers import MODEL, fake_engine, healthy_probe, metrics_values, running_server, wait_idle
 
 REPO = Path(__file__).resolve().parents[2]
 CMPL = "/v1/completions"
@@ -32,7 +31,7 @@ def test_503_while_warming_up_then_ready():
 
     def factory():
         assert release.wait(20)
-        return FakeEngine(fake_config(), model_name=MODEL)
+        return fake_engine()
 
     with running_server(factory, wait_ready=False) as srv:
         r = httpx.get(srv.url("/health"))
@@ -63,7 +62,7 @@ def test_failed_engine_construction_reports_503():
 
 
 def test_step_exception_fails_in_flight_requests_and_keeps_serving():
-    with running_server(FakeEngine(fake_config(), model_name=MODEL)) as srv:
+    with running_server(fake_engine()) as srv:
         base = metrics_values(httpx.get(srv.url("/metrics")).text)["jaxserve:num_free_blocks"]
         r = httpx.post(srv.url(CMPL), json=_body(prompt="STEPFAIL"), timeout=10)
         assert r.status_code == 500 and "scripted step failure" in r.json()["error"]["message"]
@@ -78,7 +77,7 @@ def test_step_exception_fails_in_flight_requests_and_keeps_serving():
 
 
 def test_request_error_is_contained_to_that_request():
-    with running_server(FakeEngine(fake_config(), model_name=MODEL)) as srv:
+    with running_server(fake_engine()) as srv:
         async def main():
             async with httpx.AsyncClient(timeout=10) as c:
                 bad = c.post(srv.url(CMPL), json=_body(prompt="REQFAIL"))
@@ -92,8 +91,7 @@ def test_request_error_is_contained_to_that_request():
 
 
 def test_shutdown_aborts_in_flight_streams_quickly():
-    with running_server(FakeEngine(fake_config(max_model_len=1024), step_delay=0.005,
-                                   model_name=MODEL)) as srv:
+    with running_server(fake_engine(max_model_len=1024, step_delay=0.005)) as srv:
         lines: list[str] = []
 
         def consume():
@@ -119,11 +117,10 @@ def test_shutdown_aborts_in_flight_streams_quickly():
 
 _SERVE_SCRIPT = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {tests!r})
-    from fake_engine import FakeEngine, fake_config
+    sys.path[:0] = [{tests!r}, {server_tests!r}]
+    from helpers import fake_engine
     from jaxserve.server import serve
-    serve(lambda: FakeEngine(fake_config(max_model_len=1024), step_delay=0.005,
-                             model_name="fake-model"),
+    serve(lambda: fake_engine(max_model_len=1024, step_delay=0.005),
           host="127.0.0.1", port={port}, served_model_name="fake-model", log_level="warning")
     print("SERVE_RETURNED", flush=True)
 """)
@@ -136,7 +133,8 @@ def test_sigterm_aborts_in_flight_and_exits_cleanly():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = _SERVE_SCRIPT.format(tests=str(Path(__file__).parent), port=port)
+    script = _SERVE_SCRIPT.format(tests=str(Path(__file__).parents[1]),
+                                  server_tests=str(Path(__file__).parent), port=port)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:

@@ -71,9 +71,9 @@ def test_chat_stream_matches_non_stream(client):
 def test_chat_prompt_tokens_include_template(client):
     full = client.chat.completions.create(model=MODEL, max_completion_tokens=2, temperature=0,
                                           messages=[{"role": "user", "content": "hi"}])
-    # <bos> + b"user: hi\nassistant: " = 1 + 20
-    assert full.usage.prompt_tokens == 21
-    assert full.choices[0].message.content == "!\""  # ' ' (32) + 1, + 2
+    # the tiny template: <s> "user hi" <s> "assistant " = 1 + 7 + 1 + 10 characters
+    assert full.usage.prompt_tokens == 19
+    assert full.choices[0].message.content == "ab"  # ' ' (3) + 1, + 2
     assert full.choices[0].finish_reason == "length"
 
 
@@ -83,7 +83,7 @@ def test_n2_with_seed_is_reproducible_and_hand_checked(client):
     r1 = client.completions.create(**kw)
     r2 = client.completions.create(**kw)
     assert [c.index for c in r1.choices] == [0, 1]
-    # steps 2 + (3 + i) % 5 = 5 and 6 from 'a' (97)
+    # steps 2 + (3 + i) % 5 = 5 and 6 from 'a' (4)
     assert [c.text for c in r1.choices] == ["fkp", "gms"]
     assert [c.text for c in r2.choices] == [c.text for c in r1.choices]
     assert r1.usage.completion_tokens == 6 and r1.usage.prompt_tokens == 1
@@ -113,15 +113,15 @@ def test_stop_string_both_modes(client):
 
 @fake_only
 def test_vllm_extra_fields(client):
-    r = client.completions.create(model=MODEL, prompt=[253], max_tokens=4, temperature=0,
+    r = client.completions.create(model=MODEL, prompt=[66], max_tokens=4, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
-    r = client.completions.create(model=MODEL, prompt=[253], max_tokens=4, temperature=0)
-    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "stop"  # 254 255 EOS
+    r = client.completions.create(model=MODEL, prompt=[66], max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "stop"  # 0 1 EOS=2
     r = client.completions.create(model=MODEL, prompt="a", max_tokens=9, temperature=0,
-                                  extra_body={"stop_token_ids": [100]})
+                                  extra_body={"stop_token_ids": [7]})  # 7 = "d"
     assert r.choices[0].text == "bc" and r.choices[0].finish_reason == "stop"
-    assert r.choices[0].model_extra["stop_reason"] == 100
+    assert r.choices[0].model_extra["stop_reason"] == 7
 
 
 @fake_only
@@ -139,20 +139,21 @@ def test_chat_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        max_tokens=1, temperature=0, logprobs=True, top_logprobs=1)
     content = r.choices[0].logprobs.content
-    assert len(content) == 1 and content[0].token == "!" and content[0].logprob == pytest.approx(-0.1)
-    assert [t.token for t in content[0].top_logprobs] == ["!"]
-    assert content[0].bytes == [33]
+    # the template ends in " " (3), so greedy counting gives "a" (4)
+    assert len(content) == 1 and content[0].token == "a" and content[0].logprob == pytest.approx(-0.1)
+    assert [t.token for t in content[0].top_logprobs] == ["a"]
+    assert content[0].bytes == [97]
 
 
 @fake_only
 def test_token_id_prompts_and_prompt_lists(client):
-    r = client.completions.create(model=MODEL, prompt=[[97], [120]], max_tokens=2, temperature=0,
-                                  n=2)
+    r = client.completions.create(model=MODEL, prompt=[[4], [27]], max_tokens=2, temperature=0,
+                                  n=2)  # "a", "x"
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.text for c in r.choices] == ["bc", "bc", "yz", "yz"]
     assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 8
     r = client.completions.create(model=MODEL, prompt=["ab", "xyz"], max_tokens=1, temperature=0)
-    assert [c.text for c in r.choices] == ["c", "{"] and r.usage.prompt_tokens == 5
+    assert [c.text for c in r.choices] == ["c", "A"] and r.usage.prompt_tokens == 5  # z (29) + 1
 
 
 @fake_only

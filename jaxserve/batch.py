@@ -1,9 +1,10 @@
-"""Flatten a `SchedulerOutput` into the step's padded NumPy arrays.
+"""Runner side: flatten a `SchedulerOutput` into the step's padded NumPy arrays.
 
-All rows' tokens are concatenated on one token axis (ragged batching, as in
-vLLM V1 and tpu-inference) and padded to the bucket shape (T_pad, S_pad)
-chosen by the scheduler. Padding conventions (shared with the model runner
-and the attention kernels):
+The scheduler hands over a plan (`jaxserve.scheduler.output`); laying it out
+on the device's axes is the runner's job. All rows' tokens are concatenated on
+one token axis (ragged batching, as in vLLM V1 and tpu-inference) and padded
+to the bucket shape (T_pad, S_pad) chosen by the scheduler. Padding
+conventions (shared with the model runner and the attention kernels):
 
   input_ids       i32[T_pad]        token ids; padding 0
   positions       i32[T_pad]        position of each token; padding 0
@@ -15,7 +16,8 @@ and the attention kernels):
   num_seqs        i32[]             real rows S
   num_tokens      i32[]             real tokens T; tokens at index >= T belong to no row
 
-Vectorised with np.repeat / np.cumsum: no Python loop over tokens.
+Vectorised with np.repeat / np.cumsum: no Python loop over tokens. NumPy only
+(no jax), so the fake runner builds the very same arrays.
 """
 
 from __future__ import annotations

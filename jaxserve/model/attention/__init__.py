@@ -1,0 +1,13 @@
+"""Ragged paged attention as backend objects (see `common.AttentionBackend`).
+
+  common.py         the step's common metadata, the protocol, host tiling
+  xla.py            the "xla" backend (pure jnp, the CPU default)
+  pallas_triton.py  the "pallas_triton" backend (kernels in jaxserve/pallas/)
+  reference.py      float64 NumPy references every backend is tested against
+  registry.py       get_attention_backend(name, cfg, block_size=, interpret=)
+"""
+
+from jaxserve.model.attention.common import AttentionBackend, CommonAttentionMetadata
+from jaxserve.model.attention.registry import get_attention_backend
+
+__all__ = ["AttentionBackend", "CommonAttentionMetadata", "get_attention_backend"]

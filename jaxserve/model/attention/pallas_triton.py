@@ -1,0 +1,128 @@
+"""The "pallas_triton" attention backend: the Pallas Triton kernels, host tiling and metadata.
+
+The kernels live in jaxserve/pallas/ (ragged_paged_attention.py, kv_cache_update.py);
+this module chooses their tile per bucket, builds their metadata on the host, and
+calls them with the backend's `interpret` flag (the Pallas interpreter runs them on
+CPU for tests). The float64 reference they are tested against is
+`reference.reference_ragged_paged_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from jaxserve.model.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
+                                             num_query_tiles, query_tiles, real_q_lens,
+                                             stacked_cache)
+from jaxserve.pallas import kv_cache_update as kvu
+from jaxserve.pallas import ragged_paged_attention as rpa
+
+
+def choose_block_q(num_tokens: int, num_seqs: int, num_queries_per_kv: int) -> int:
+    """Tokens per Pallas query tile for a (T_pad, S_pad) bucket.
+
+    A tile has block_q * next_pow2(H/K) rows and `tl.dot` needs >= 16 rows.
+    Decode-heavy buckets (<= 2 tokens per sequence) take the smallest legal tile
+    (few wasted rows); prefill-heavy buckets take 64-row tiles.
+    """
+    gp = rpa.next_pow2(num_queries_per_kv)
+    min_bq = max(1, 16 // gp)
+    if num_tokens <= 2 * num_seqs:
+        return min_bq
+    return max(min_bq, 64 // gp)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["slot_mapping", "block_table", "tile_seq", "tile_q_start", "tile_pos0",
+                 "tile_kv_end", "token_out_row"],
+    meta_fields=["block_q"])
+@dataclasses.dataclass(frozen=True)
+class PallasTritonMetadata:
+    """The Triton kernel's step metadata. T = T_pad, S = S_pad, NT the static tile bound."""
+
+    slot_mapping: np.ndarray  # i32[T] page * B + offset; padding -> block 0
+    block_table: np.ndarray  # i32[S, P]
+    # Tiles of block_q tokens of one sequence, over all sequences.
+    tile_seq: np.ndarray  # i32[NT]
+    tile_q_start: np.ndarray  # i32[NT] flat index of the tile's first token
+    tile_pos0: np.ndarray  # i32[NT] absolute position of the first token
+    tile_kv_end: np.ndarray  # i32[NT] 1 + position of the last real token; 0 unused
+    token_out_row: np.ndarray  # i32[T] row tile * block_q + r of each token; -1 padding
+    block_q: int  # static: the kernel's tile (a new block_q is a new program)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasTritonBackend:
+    """Ragged paged attention and the in-place KV write as Pallas Triton kernels.
+
+    Args:
+      block_size: B, tokens per KV page.
+      num_queries_per_kv: H / K.
+      head_dim: D.
+      block_q: tokens per query tile; None picks it per bucket (`choose_block_q`).
+      chunk_keys: keys per inner-loop step of the kernel (a multiple of B, or B).
+      interpret: run both kernels in the Pallas interpreter (CPU tests).
+
+    Raises:
+      ValueError: shapes the Triton lowering cannot take (see `rpa.check_kernel_shapes`).
+    """
+
+    block_size: int
+    num_queries_per_kv: int
+    head_dim: int
+    block_q: int | None = None
+    chunk_keys: int = 64
+    interpret: bool = False
+    name: str = "pallas_triton"
+
+    def __post_init__(self):
+        bq = self.block_q or max(1, 16 // rpa.next_pow2(self.num_queries_per_kv))
+        rpa.check_kernel_shapes(head_dim=self.head_dim, num_queries_per_kv=self.num_queries_per_kv,
+                                block_q=bq, block_size=self.block_size,
+                                pages_per_chunk=self.pages_per_chunk)
+
+    @property
+    def pages_per_chunk(self) -> int:
+        return max(1, self.chunk_keys // self.block_size)
+
+    def prepare(self, common: CommonAttentionMetadata) -> PallasTritonMetadata:
+        """Validate the step and cut every sequence's tokens into tiles (host NumPy).
+
+        Raises:
+          ValueError: see `host_common`.
+        """
+        c = host_common(common, self.block_size)
+        qsl, t, s = c.query_start_loc, c.slot_mapping.shape[0], c.seq_lens.shape[0]
+        bq = self.block_q or choose_block_q(t, s, self.num_queries_per_kv)
+        til = query_tiles(qsl, c.seq_lens, real_q_lens(c), bq, num_query_tiles(t, s, bq))
+        # Row of each real token in the kernel's tiled output.
+        tok = np.arange(t)
+        tok_seq = np.clip(np.searchsorted(qsl, tok, side="right") - 1, 0, s - 1)  # [T]
+        rel = tok - qsl[tok_seq]
+        out_row = (til["tile_offset"][tok_seq] + rel // bq) * bq + rel % bq
+        return PallasTritonMetadata(
+            slot_mapping=c.slot_mapping, block_table=c.block_table, tile_seq=til["tile_seq"],
+            tile_q_start=til["tile_q_start"], tile_pos0=til["tile_pos0"],
+            tile_kv_end=til["tile_kv_end"],
+            token_out_row=np.where(tok < qsl[c.num_seqs], out_row, -1).astype(np.int32),
+            block_q=int(bq))
+
+    def write_kv(self, k_cache, v_cache, k, v, md: PallasTritonMetadata, *, layer):
+        """See `AttentionBackend.write_kv`: the in-place Pallas write."""
+        kc, vc, li, one_layer = stacked_cache(k_cache, v_cache, layer)
+        kc, vc = kvu.write_kv_pallas(kc, vc, k, v, md.slot_mapping, li, interpret=self.interpret)
+        return (kc[0], vc[0]) if one_layer else (kc, vc)
+
+    def attention(self, q, k_cache, v_cache, md: PallasTritonMetadata, *, layer, sm_scale: float):
+        """See `AttentionBackend.attention`. Raises ValueError when q does not fit the cache."""
+        kc, vc, li, _ = stacked_cache(k_cache, v_cache, layer)
+        check_q_fits(q, kc, self.block_size)
+        return rpa.ragged_paged_attention(
+            q, kc, vc, li, md.block_table, md.tile_seq, md.tile_q_start, md.tile_pos0,
+            md.tile_kv_end, md.token_out_row, sm_scale=float(sm_scale), block_q=md.block_q,
+            pages_per_chunk=self.pages_per_chunk, interpret=self.interpret)

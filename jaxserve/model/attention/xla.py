@@ -1,0 +1,270 @@
+"""The "xla" attention backend: ragged paged attention in plain jnp (the CPU default).
+
+Decode rows (q_len = 1) are split into (sequence, KV chunk) work items walked
+S at a time and merged per sequence (split-KV, flash-decoding, Dao et al.
+2023), so the cost follows the sum of the real context lengths: padded slots
+and short rows beside a long one cost nothing. Prefill rows run tile by tile
+in a loop whose trip count is the number of tiles in use, each walking its
+pages in chunks with an online softmax (FlashAttention-2, Dao 2023) up to its
+own causal end. Both read the stacked cache [L, N, B, K, D] at a traced
+`layer` inside their gather, so a `lax.scan` over layers can carry the cache
+and update it in place (notes/attention.md). The float64 reference it is
+tested against is `reference.reference_ragged_paged_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxserve.model.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
+                                             num_query_tiles, query_tiles, real_q_lens,
+                                             stacked_cache)
+from jaxserve.model.online_softmax import init_state, normalize, online_softmax_step
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["slot_mapping", "block_table", "decode_token_idx", "decode_kv_len",
+                 "prefill_tile_seq", "prefill_tile_q_start", "prefill_tile_pos0",
+                 "prefill_tile_kv_end", "prefill_num_tiles"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class XlaMetadata:
+    """The xla path's step metadata. T = T_pad, S = S_pad, NP the static prefill tile bound."""
+
+    slot_mapping: np.ndarray  # i32[T] page * B + offset; padding -> block 0
+    block_table: np.ndarray  # i32[S, P]
+    # Decode rows: sequence s is a decode iff q_len[s] == 1.
+    decode_token_idx: np.ndarray  # i32[S] its flat token index, T when not a decode
+    decode_kv_len: np.ndarray  # i32[S] its seq_len, 0 when not a decode
+    # Prefill tiles (sequences with q_len >= 2), block_q tokens each.
+    prefill_tile_seq: np.ndarray  # i32[NP]
+    prefill_tile_q_start: np.ndarray  # i32[NP] flat index of the tile's first token
+    prefill_tile_pos0: np.ndarray  # i32[NP] absolute position of the first token
+    prefill_tile_kv_end: np.ndarray  # i32[NP] 1 + position of the last real token
+    prefill_num_tiles: np.ndarray  # i32[1] tiles in use
+
+
+def write_kv_xla(k_cache, v_cache, k, v, slot_mapping, layer):
+    """Scatter k, v [T, K, D] into layer `layer` of k_cache, v_cache [L, N, B, K, D].
+
+    One scatter per cache on the whole stacked array (no per-layer slice copy), so
+    XLA updates the donated / carried buffer in place. Padding tokens point into
+    the null block 0 and may collide there, which is harmless since block 0 is
+    never read as a real key.
+    """
+    bs = k_cache.shape[2]
+    blk, off = slot_mapping // bs, slot_mapping % bs  # [T]
+    k_cache = k_cache.at[layer, blk, off].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[layer, blk, off].set(v.astype(v_cache.dtype))
+    return k_cache, v_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaBackend:
+    """Ragged paged attention in jnp. Tiling chosen by measurement (notes/attention.md, perf.md).
+
+    Args:
+      block_size: B, tokens per KV page.
+      block_q: tokens per prefill tile.
+      decode_chunk: keys per split-KV work item of the decode rows.
+      decode_mulsum: decode products as multiply + sum instead of tiny matmuls.
+      prefill_chunk: keys per inner step of a prefill tile.
+    """
+
+    block_size: int
+    block_q: int = 32
+    decode_chunk: int = 128
+    decode_mulsum: bool = True
+    prefill_chunk: int = 256
+    name: str = "xla"
+
+    def prepare(self, common: CommonAttentionMetadata) -> XlaMetadata:
+        """Validate the step and tile its prefill rows (host, vectorized NumPy).
+
+        Raises:
+          ValueError: see `host_common`.
+        """
+        c = host_common(common, self.block_size)
+        t, s = c.slot_mapping.shape[0], c.seq_lens.shape[0]
+        q_lens = real_q_lens(c)
+        decode = q_lens == 1
+        pre = query_tiles(c.query_start_loc, c.seq_lens, np.where(q_lens >= 2, q_lens, 0),
+                          self.block_q, num_query_tiles(t, min(s, t // 2), self.block_q))
+        return XlaMetadata(
+            slot_mapping=c.slot_mapping, block_table=c.block_table,
+            decode_token_idx=np.where(decode, c.query_start_loc[:-1], t).astype(np.int32),
+            decode_kv_len=np.where(decode, c.seq_lens, 0).astype(np.int32),
+            prefill_tile_seq=pre["tile_seq"], prefill_tile_q_start=pre["tile_q_start"],
+            prefill_tile_pos0=pre["tile_pos0"], prefill_tile_kv_end=pre["tile_kv_end"],
+            prefill_num_tiles=pre["num_tiles"])
+
+    def write_kv(self, k_cache, v_cache, k, v, md: XlaMetadata, *, layer):
+        """See `AttentionBackend.write_kv`: one XLA scatter per cache."""
+        kc, vc, li, one_layer = stacked_cache(k_cache, v_cache, layer)
+        kc, vc = write_kv_xla(kc, vc, k, v, md.slot_mapping, li)
+        return (kc[0], vc[0]) if one_layer else (kc, vc)
+
+    def attention(self, q, k_cache, v_cache, md: XlaMetadata, *, layer, sm_scale: float):
+        """See `AttentionBackend.attention`. Raises ValueError when q does not fit the cache."""
+        kc, vc, li, _ = stacked_cache(k_cache, v_cache, layer)
+        check_q_fits(q, kc, self.block_size)
+        return _xla_attention(self, q, kc, vc, li, md, float(sm_scale))
+
+
+def _gather_pages(cache, layer, pg):
+    """Pages pg (i32[n, cp]) of layer `layer` of cache [L, N, B, K, D] -> [n, cp*B, K, D].
+
+    A row gather on the free [L*N, B*K*D] view: one contiguous page per index, which
+    XLA:CPU copies ~1.5x faster than the 5-D gather (notes/perf.md).
+    """
+    nl, nb, bs, kh, d = cache.shape
+    rows = cache.reshape(nl * nb, bs * kh * d).at[pg + layer * nb].get(mode="promise_in_bounds")
+    return rows.reshape(pg.shape[0], pg.shape[1] * bs, kh, d)
+
+
+def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_pages, n_chunks):
+    """Online-softmax attention of tiles of rows against their sequences' pages.
+
+    q: [n, K, M, D] (M rows per KV head: tokens x heads-in-group); row_pos: i32[n, M]
+    position of each row; kv_end: i32[n] keys in use per tile; pages: i32[n, P'] page
+    ids (P' a multiple of chunk_pages); kc, vc: [L, N, B, K, D]; n_chunks: traced trip
+    count. Returns f32[n, K, M, D]. (Prefill tiles; decode rows use `_decode_split_kv`.)
+    """
+    n, kh, m, d = q.shape
+    ck = chunk_pages * kc.shape[2]
+    j = jnp.arange(ck, dtype=jnp.int32)
+
+    def body(c, state):
+        pg = lax.dynamic_slice_in_dim(pages, c * chunk_pages, chunk_pages, axis=1)  # [n, cp]
+        # Gather straight from the stacked cache at `layer` (no per-layer copy).
+        k = _gather_pages(kc, layer, pg)  # [n, CK, K, D]
+        v = _gather_pages(vc, layer, pg)
+        kpos = c * ck + j  # [CK]
+        key_ok = kpos[None, :] < kv_end[:, None]  # [n, CK]
+        valid = ((kpos[None, None, :] <= row_pos[:, :, None])
+                 & key_ok[:, None, :])[:, None]  # [n, 1, M, CK]
+        v = jnp.where(key_ok[:, :, None, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
+        # K before the key axis, so both dots are plain batched matmuls.
+        k = k.transpose(0, 2, 1, 3)  # [n, K, CK, D]
+        v = v.transpose(0, 2, 1, 3)
+        s = jnp.einsum("nkmd,nkcd->nkmc", q, k, preferred_element_type=jnp.float32) * sm_scale
+        return online_softmax_step(state, s, valid, lambda p: jnp.einsum(
+            "nkmc,nkcd->nkmd", p.astype(v.dtype), v, preferred_element_type=jnp.float32))
+
+    acc, _, l_sum = lax.fori_loop(0, n_chunks, body, init_state((n, kh, m), d))
+    return normalize(acc, l_sum)
+
+
+def _decode_scores(q, k, v, sm_scale, multiply_sum):
+    """Scores f32[W, K, G, CK] and the p -> p.v function of one batch of decode items."""
+    if multiply_sum:
+        s = jnp.sum(q[:, None] * k[:, :, :, None, :].astype(jnp.float32), -1)  # [W, CK, K, G]
+        s = s.transpose(0, 2, 3, 1) * sm_scale  # [W, K, G, CK]
+        return s, lambda p: jnp.sum(
+            p.transpose(0, 3, 1, 2)[..., None] * v[:, :, :, None, :].astype(jnp.float32), 1)
+    s = jnp.einsum("wkgd,wckd->wkgc", q, k, preferred_element_type=jnp.float32) * sm_scale
+    return s, lambda p: jnp.einsum("wkgc,wckd->wkgd", p, v.astype(jnp.float32),
+                                   preferred_element_type=jnp.float32)
+
+
+def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, multiply_sum):
+    """Decode attention over a flat list of (sequence, KV chunk) work items (split-KV).
+
+    Flash-decoding style (Dao et al. 2023): sequence s contributes ceil(kv_len[s] / CK)
+    items; each loop iteration takes the next S items, whatever sequences they belong to,
+    and the per-item partial softmax states are merged per sequence at the end. The cost
+    follows the sum of the real context lengths, not S_pad x the longest one: padded
+    slots (kv_len 0) and short rows next to a long one cost nothing.
+
+    q: [S, K, G, D]; kv_len: i32[S] (0 = not a decode); pages: i32[S, P'] (P' a multiple
+    of chunk_pages). Returns f32[S, K, G, D], 0 for rows with kv_len 0.
+    """
+    n, kh, g, d = q.shape
+    ck = chunk_pages * kc.shape[2]
+    n_iter_max = pages.shape[1] // chunk_pages  # ceil(S * chunks per row / S)
+    cnt = (kv_len + ck - 1) // ck  # [S] items per sequence
+    end = jnp.cumsum(cnt)  # [S] exclusive end of each sequence's items
+    start = end - cnt
+    total = end[-1]
+    j = jnp.arange(ck, dtype=jnp.int32)
+    cols = jnp.arange(chunk_pages, dtype=jnp.int32)
+
+    def item_rows(idx):  # flat item ids -> (row, chunk, valid)
+        row = jnp.minimum(jnp.sum(idx[:, None] >= end[None, :], -1), n - 1)
+        return row, idx - start[row], idx < total
+
+    def body(it, bufs):
+        idx = it * n + jnp.arange(n, dtype=jnp.int32)  # [W] with W = S items per iteration
+        row, chunk, ok = item_rows(idx)
+        pg = pages[row[:, None], chunk[:, None] * chunk_pages + cols[None, :]]  # [W, cp]
+        pg = jnp.where(ok[:, None], pg, 0)
+        kpos = chunk[:, None] * ck + j[None, :]  # [W, CK]
+        key_ok = (kpos < kv_len[row][:, None]) & ok[:, None]  # [W, CK]
+        k = _gather_pages(kc, layer, pg)  # [W, CK, K, D]
+        v = _gather_pages(vc, layer, pg)
+        v = jnp.where(key_ok[:, :, None, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
+        s, pv = _decode_scores(q[row].astype(jnp.float32), k, v, sm_scale, multiply_sum)
+        # Each item's partial state starts empty; the merge below combines them.
+        part = online_softmax_step(init_state((n, kh, g), d), s, key_ok[:, None, None, :], pv)
+        return tuple(lax.dynamic_update_slice_in_dim(b, x, it * n, 0) for b, x in zip(bufs, part))
+
+    nb = n_iter_max * n
+    acc_buf, m_buf, l_buf = lax.fori_loop(0, (total + n - 1) // n, body, init_state((nb, kh, g), d))
+    # Merge the partial states per sequence; unused slots go to the extra segment n.
+    row, _, ok = item_rows(jnp.arange(nb, dtype=jnp.int32))
+    seg = jnp.where(ok, row, n)
+    m_row = jax.ops.segment_max(m_buf, seg, num_segments=n + 1)  # [S+1, K, G]
+    w = jnp.where(ok[:, None, None], jnp.exp(m_buf - m_row[seg]), 0.0)  # [NB, K, G]
+    l_row = jax.ops.segment_sum(l_buf * w, seg, num_segments=n + 1)[:n]
+    acc = jax.ops.segment_sum(acc_buf * w[..., None], seg, num_segments=n + 1)[:n]
+    return normalize(acc, l_row)
+
+
+def _pad_pages(block_table, chunk_pages):
+    return jnp.pad(block_table, ((0, 0), (0, -block_table.shape[1] % chunk_pages)))
+
+
+def _xla_attention(be: XlaBackend, q, kc, vc, layer, md: XlaMetadata, sm_scale: float):
+    t, h, d = q.shape
+    kh = kc.shape[3]
+    g = h // kh
+    bs = kc.shape[2]
+    bq = be.block_q
+    # One zero row at index T (target of non-decode slots) and bq rows of tile overhang.
+    qg = jnp.pad(q.reshape(t, kh, g, d), ((0, bq), (0, 0), (0, 0), (0, 0)))
+    out = jnp.zeros((t + bq, kh, g, d), jnp.float32)
+
+    # Decode rows: one query per sequence slot, all slots batched.
+    dcp = max(1, be.decode_chunk // bs)
+    dq = qg[md.decode_token_idx]  # [S, K, G, D]
+    o_dec = _decode_split_kv(dq, md.decode_kv_len, _pad_pages(md.block_table, dcp), kc, vc,
+                             layer, sm_scale=sm_scale, chunk_pages=dcp,
+                             multiply_sum=be.decode_mulsum)  # [S, K, G, D]
+    out = out.at[md.decode_token_idx].set(o_dec)
+
+    # Prefill tiles, one at a time, each up to its own causal end.
+    pcp = max(1, be.prefill_chunk // bs)
+    pages = _pad_pages(md.block_table, pcp)
+
+    def tile(i, out):
+        q_start, kv_end = md.prefill_tile_q_start[i], md.prefill_tile_kv_end[i]
+        pos = md.prefill_tile_pos0[i] + jnp.arange(bq, dtype=jnp.int32)  # [bq]
+        qt = lax.dynamic_slice_in_dim(qg, q_start, bq)  # [bq, K, G, D]
+        qt = qt.transpose(1, 0, 2, 3).reshape(1, kh, bq * g, d)  # rows m = token * G + head
+        ot = _flash_chunks(qt, jnp.repeat(pos, g)[None], kv_end[None],
+                           pages[md.prefill_tile_seq[i]][None], kc, vc, layer,
+                           sm_scale=sm_scale, chunk_pages=pcp,
+                           n_chunks=-(-kv_end // (pcp * bs)))  # [1, K, bq * G, D]
+        ot = ot.reshape(kh, bq, g, d).transpose(1, 0, 2, 3)  # [bq, K, G, D]
+        old = lax.dynamic_slice_in_dim(out, q_start, bq)
+        keep = (pos < kv_end)[:, None, None, None]  # rows past the sequence's end
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, ot, old), q_start, 0)
+
+    out = lax.fori_loop(0, md.prefill_num_tiles[0], tile, out)
+    return out[:t].reshape(t, h, d).astype(q.dtype)

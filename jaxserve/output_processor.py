@@ -1,0 +1,198 @@
+"""Output processing: sampled tokens become text, logprobs and `RequestOutput`s.
+
+vLLM V1's OutputProcessor: it owns the per-sample state of every live user
+request (incremental detokenizer, logprobs, deltas since the last output) and
+the n>1 parent/child grouping, so the n samples of one request come back
+together in one `RequestOutput`. A stop string matched in the text finishes
+its request through the scheduler's API (`Scheduler.stop_by_string`): the
+request status belongs to the scheduler alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.input_processor import ProcessedRequest
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.request import Request, RequestStatus
+from jaxserve.runner import SampledToken
+from jaxserve.scheduler.output import SchedulerOutput
+from jaxserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Child:
+    """Output-side state of one sample (child request) of a user request."""
+
+    request: Request
+    index: int
+    detok: IncrementalDetokenizer | None
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | str | None = None
+    error: str | None = None
+    delta_text: str = ""
+    delta_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child]
+    metrics: RequestMetrics
+
+
+class OutputProcessor:
+    """Per-sample output state of the live user requests.
+
+    Args:
+      scheduler: finishes stop-string requests (`stop_by_string`).
+      tokenizer: for the detokenizers; None means token ids only (no text).
+    """
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Any):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._child_of: dict[str, tuple[str, int]] = {}
+        self.generation_tokens_total = 0
+
+    # ------------------------------------------------------------ bookkeeping
+    def add(self, p: ProcessedRequest) -> None:
+        """Start tracking a request the scheduler has accepted."""
+        children = []
+        for i, req in enumerate(p.children):
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, p.prompt_token_ids, req.sampling_params)
+            lps = [] if req.sampling_params.logprobs is not None else None
+            children.append(_Child(req, i, detok, lps))
+            self._child_of[req.request_id] = (p.request_id, i)
+        self._parents[p.request_id] = _Parent(p.request_id, p.prompt, p.prompt_token_ids, children,
+                                              RequestMetrics(p.arrival_time))
+
+    def is_live(self, request_id: str) -> bool:
+        """A live user request id or child id."""
+        return request_id in self._parents or request_id in self._child_of
+
+    @property
+    def num_live(self) -> int:
+        return len(self._parents)
+
+    def pop(self, request_id: str) -> list[Request] | None:
+        """Stop tracking a user request (abort); its child Requests, or None if unknown."""
+        p = self._parents.pop(request_id, None)
+        if p is None:
+            return None
+        for c in p.children:
+            self._child_of.pop(c.request.request_id, None)
+        return [c.request for c in p.children]
+
+    def _child(self, cid: str) -> _Child:
+        pid, idx = self._child_of[cid]
+        return self._parents[pid].children[idx]
+
+    def _parent(self, cid: str) -> _Parent:
+        return self._parents[self._child_of[cid][0]]
+
+    # ------------------------------------------------------------ per step
+    def on_scheduled(self, out: SchedulerOutput, now: float) -> None:
+        """Stamp first_scheduled_time of the requests in this plan."""
+        for sr in out.scheduled:
+            m = self._parent(sr.request_id).metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+
+    def fail(self, child_ids: Iterable[str], message: str) -> list[str]:
+        """Record `message` as the error of these samples (the scheduler has finished
+        them); returns their parents' ids."""
+        parents = []
+        for cid in child_ids:
+            if cid in self._child_of:
+                self._child(cid).error = message
+                parents.append(self._child_of[cid][0])
+        return parents
+
+    def process_tokens(self, sampled: dict[str, SampledToken], now: float) -> list[str]:
+        """Apply one step's tokens (the scheduler has appended them); returns the parents
+        that progressed. A failure here (e.g. the detokenizer) fails that sample alone."""
+        parents = []
+        for cid, tok in sampled.items():
+            if cid not in self._child_of:
+                continue
+            parents.append(self._child_of[cid][0])
+            try:
+                self._on_token(cid, tok, now)
+            except Exception as e:  # this request alone fails
+                logger.exception("output processing failed for %s", cid)
+                self._child(cid).error = f"{type(e).__name__}: {e}"
+                self.scheduler.finish_requests([cid], RequestStatus.FINISHED_ERROR)
+        return parents
+
+    def _on_token(self, cid: str, tok: SampledToken, now: float) -> None:
+        c, p = self._child(cid), self._parent(cid)
+        self.generation_tokens_total += 1
+        if p.metrics.first_token_time is None:
+            p.metrics.first_token_time = now
+        if c.index == 0:
+            p.metrics.token_times.append(now)
+        c.delta_ids.append(tok.token_id)
+        c.cumulative_logprob += tok.logprob
+        if c.logprobs is not None:
+            k = c.request.sampling_params.logprobs or 0
+            entry = {int(t): float(lp) for t, lp in zip(tok.top_ids[:k], tok.top_logprobs[:k])}
+            entry[tok.token_id] = tok.logprob
+            c.logprobs.append(entry)
+            c.delta_logprobs.append(entry)
+        req = c.request
+        if c.detok is not None:
+            # FINISHED_STOPPED here means EOS or a stop token id (stop strings come below):
+            # that token's text is not output unless include_stop_str_in_output (vLLM).
+            upd = c.detok.update([tok.token_id], finished=req.is_finished,
+                                 stop_terminated=req.status == RequestStatus.FINISHED_STOPPED)
+            c.delta_text += upd.delta_text
+            if upd.stop_string is not None:
+                c.stop_reason = upd.stop_string
+                was_live = not req.is_finished
+                self.scheduler.stop_by_string(req)
+                if was_live:
+                    c.delta_text += c.detok.update([], finished=True).delta_text
+        if req.is_finished and c.stop_reason is None:
+            c.stop_reason = req.stop_reason
+
+    def collect(self, parent_ids: Iterable[str]) -> list[RequestOutput]:
+        """One `RequestOutput` per parent (deduplicated, in order), deltas since the last one;
+        a finished parent is forgotten."""
+        outs = []
+        for pid in dict.fromkeys(parent_ids):
+            p = self._parents.get(pid)
+            if p is None:
+                continue
+            comps = [self._completion(c) for c in p.children]
+            finished = all(c.request.is_finished for c in p.children)
+            if finished:
+                p.metrics.finished_time = time.monotonic()
+                self.pop(pid)
+            outs.append(RequestOutput(pid, p.prompt, p.prompt_token_ids, comps, finished, p.metrics))
+        return outs
+
+    @staticmethod
+    def _completion(c: _Child) -> CompletionOutput:
+        out = CompletionOutput(
+            index=c.index, text=c.detok.output_text if c.detok else "",
+            token_ids=list(c.request.output_token_ids), delta_text=c.delta_text,
+            delta_token_ids=c.delta_ids, logprobs=None if c.logprobs is None else list(c.logprobs),
+            delta_logprobs=c.delta_logprobs if c.logprobs is not None else None,
+            cumulative_logprob=c.cumulative_logprob, finish_reason=c.request.finish_reason,
+            stop_reason=c.stop_reason, error=c.error)
+        c.delta_text, c.delta_ids, c.delta_logprobs = "", [], []
+        return out

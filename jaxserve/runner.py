@@ -1,0 +1,99 @@
+"""The engine–runner seam: what `LLMEngine` asks of whatever executes a step.
+
+vLLM V1 splits its engine core from a model executor/worker the same way:
+the core schedules, the runner turns one plan into sampled tokens. Two
+classes implement `Runner`: `jaxserve.model_runner.ModelRunner` (the model,
+the KV cache and the bucket programs) and `jaxserve.scheduler.testing.FakeRunner`
+(scripted tokens, no model). Plain Python + NumPy: no jax import here, so the
+fake stays usable where jax must not be loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping, Protocol, Union
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from jaxserve.request import Request
+    from jaxserve.scheduler.output import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token for one row: id, its raw logprob, and top alternatives."""
+
+    token_id: int
+    logprob: float
+    top_ids: np.ndarray      # i32[max_logprobs]
+    top_logprobs: np.ndarray  # f32[max_logprobs]
+
+
+@dataclass(frozen=True)
+class RowError:
+    """A failure of one row's host work (e.g. its sampling metadata): that request
+    alone fails, with `message` as its error; the rest of the batch goes on."""
+
+    message: str
+
+
+RowResult = Union[SampledToken, RowError]
+
+
+@dataclass
+class RunnerStats:
+    """Compile and bucket counters of one runner.
+
+    Fields:
+      num_steps: steps executed (empty plans excluded).
+      warmup_programs: programs warm-up made ready.
+      warmup_seconds: wall seconds of warm-up.
+      programs_built: programs XLA compiled in this process (persistent-cache misses).
+      programs_loaded: programs loaded from the persistent compile cache.
+      compile_seconds: wall seconds spent lowering + compiling/loading programs.
+      late_compiles: programs a step needed that warm-up had not built.
+      steps_by_shape: {(T_pad, S_pad): steps run at that shape}.
+    """
+
+    num_steps: int = 0
+    warmup_programs: int = 0
+    warmup_seconds: float = 0.0
+    programs_built: int = 0
+    programs_loaded: int = 0
+    compile_seconds: float = 0.0
+    late_compiles: int = 0
+    steps_by_shape: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+class Runner(Protocol):
+    """Executes the scheduler's plans; owns the device state (or a fake of it).
+
+    `num_kv_blocks` is the KV pool size N the runner holds (block 0 is the null
+    block); the engine builds its scheduler over exactly that pool.
+    """
+
+    num_kv_blocks: int
+
+    def warmup(self, *, progress: bool = True) -> None:
+        """Make every program the bucket policy can request ready (compile or load)."""
+
+    def execute(self, out: "SchedulerOutput",
+                requests: Mapping[str, "Request"]) -> dict[str, RowResult]:
+        """Run one plan.
+
+        Args:
+          out: the scheduler's plan; requests: request_id -> Request for its rows.
+        Returns: request_id -> SampledToken for every row with `sample=True`
+          whose host work succeeded, and request_id -> RowError for every row
+          (sampling or not) whose own host work failed.
+        Raises: any failure of the whole step (device error, bad plan); the
+          caller then fails the step's requests and calls `reset()`.
+        """
+
+    def reset(self) -> bool:
+        """Recover after `execute` raised; True when the KV cache had to be rebuilt
+        (every cached KV row is gone, so every live request must be failed)."""
+
+    def stats(self) -> RunnerStats:
+        """The runner's compile and per-shape step counters."""

@@ -1,0 +1,72 @@
+"""The real `ModelRunner` behind the Runner seam: exact compile accounting (built vs
+loaded from the persistent cache) and late compiles. Per-row failure isolation on this
+runner is tested in tests/test_isolation.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import tiny_engine
+from test_engine import assert_idle_and_clean, cached_reference, greedy, prompt_of, run_all
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_late_compile_is_counted_and_strict_mode_refuses():
+    # One bucket shape, (16, 4), so dropping its program forces the next step to compile.
+    engine = tiny_engine(max_num_batched_tokens=16, max_num_seqs=4, token_buckets=(16,),
+                         seq_buckets=(4,))
+    runner = engine.runner
+    assert runner.stats().warmup_programs == 1 and sorted(runner._programs) == [(16, 4)]
+    P = prompt_of(9, salt=50)
+    late0 = runner.stats().late_compiles
+    runner._programs.clear()
+    out = run_all(engine, [("late", P, greedy(3))])["late"].outputs[0]
+    assert out.token_ids == cached_reference(tuple(P), 3)  # compiled late, still correct
+    assert runner.stats().late_compiles == late0 + 1
+    assert engine.get_stats()["num_compiles_after_warmup"] == late0 + 1
+    runner._programs.clear()
+    runner.strict_compiles = True
+    try:
+        out = run_all(engine, [("strict", P, greedy(3))])["strict"].outputs[0]
+    finally:
+        runner.strict_compiles = False
+        runner.warmup(progress=False)  # rebuild the dropped program for later users
+    assert out.finish_reason == "error" and "strict_compiles" in out.error and "(16, 4)" in out.error
+    assert runner.stats().late_compiles == late0 + 2
+    assert_idle_and_clean(engine)
+
+
+_CACHE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, "tests")
+    from conftest import tiny_params
+    from jaxserve.engine import make_engine_config
+    from jaxserve.model_runner import ModelRunner, enable_compilation_cache
+    from jaxserve.scheduler.buckets import BucketPolicy
+
+    enable_compilation_cache(sys.argv[1])
+    cfg, params = tiny_params()
+    config = make_engine_config(cfg, max_model_len=64, block_size=4, num_kv_blocks=32,
+                                max_num_seqs=2, max_num_batched_tokens=8, token_buckets=(4, 8),
+                                seq_buckets=(2,), attention_backend="xla")
+    policy = BucketPolicy.from_config(config.scheduler)
+    for _ in range(2):
+        runner = ModelRunner(config, params, bucket_policy=policy)
+        runner.warmup(progress=False)
+        st = runner.stats()
+        print(json.dumps([st.warmup_programs, st.programs_built, st.programs_loaded]))
+""")
+
+
+def test_compile_count_tells_built_from_loaded(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(tmp_path / "cc")], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = [json.loads(ln) for ln in proc.stdout.strip().splitlines()[-2:]]
+    assert first == [2, 2, 0]   # an empty cache: both programs built by XLA
+    assert second == [2, 0, 2]  # the same programs again: both loaded from the cache
