@@ -38,9 +38,14 @@ flags.DEFINE_enum("attention_backend", "auto",
                   ["auto", "xla", "pallas", "pallas_mosaic", "pallas_triton"],
                   "Attention implementation: auto = Mosaic on CUDA cc 9.x, Triton on cc 8.x "
                   "and >= 10, xla otherwise; pallas = the best Pallas kernel for the GPU.")
+flags.DEFINE_enum("scheduling_policy", "fcfs", ["fcfs", "priority"],
+                  "Admission and preemption order: fcfs, or priority (lower request "
+                  "`priority` first, then arrival; vLLM's flag).")
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse KV blocks of shared prompt prefixes.")
 flags.DEFINE_bool("unroll_layers", True, "Unroll the decoder layers in each step program: faster "
                   "steps on CPU, ~2.5x longer compiles (false: lax.scan over stacked weights).")
+flags.DEFINE_bool("strict_compiles", False, "Refuse (fail the step) instead of compiling when a "
+                  "step needs a program warm-up did not build.")
 flags.DEFINE_bool("static_batching", False, "Admit a batch and add nothing until all of it finishes.")
 flags.DEFINE_string("compile_cache_dir", "checkpoints/jax_compile_cache",
                     "Persistent JAX compilation cache ('' disables).")
@@ -79,9 +84,9 @@ def engine_args_from_flags() -> dict[str, Any]:
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
         bucket_policy=FLAGS.bucket_policy, bucket_gap=FLAGS.bucket_gap,
-        attention_backend=FLAGS.attention_backend,
+        scheduling_policy=FLAGS.scheduling_policy, attention_backend=FLAGS.attention_backend,
         enable_prefix_caching=FLAGS.enable_prefix_caching, static_batching=FLAGS.static_batching,
-        unroll_layers=FLAGS.unroll_layers,
+        unroll_layers=FLAGS.unroll_layers, strict_compiles=FLAGS.strict_compiles,
         kv_cache_memory_bytes=FLAGS.kv_cache_memory_mb * 2**20)
     if FLAGS.max_model_len is not None:
         args["max_model_len"] = FLAGS.max_model_len
@@ -240,8 +245,21 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return int(bench_main(list(argv[1:])) or 0)
 
 
+def configure_logging() -> None:
+    """A quiet start: jaxserve's own phase lines (fetch, convert or cache hit, warm-up,
+    ready) at INFO, every library (orbax, absl, jax) at WARNING. An explicit
+    `--verbosity` / `-v` leaves absl's level for everything, library INFO logs included."""
+    if FLAGS["verbosity"].present:
+        level = logging.getLogger().level
+        logging.getLogger("jaxserve").setLevel(min(level, logging.INFO))
+        return
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    logging.getLogger("jaxserve").setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging()
     if len(argv) < 2 or argv[1] not in ("generate", "serve", "bench"):
         raise app.UsageError("usage: jaxserve generate|serve|bench [flags]")
     cmd = argv[1]

@@ -306,10 +306,16 @@ class EngineConfig:
     # Run Pallas attention kernels in the Pallas interpreter (CPU tests of the GPU path).
     attention_interpret: bool = False
     max_logprobs: int = 20
+    # vLLM's logprobs_mode: "raw_logprobs" (the model's distribution) or
+    # "processed_logprobs" (the sampled one, after penalties/temperature/filters).
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     # Unroll the decoder layers in the jitted step (per-layer weight buffers) instead of a
     # lax.scan over stacked weights: XLA:CPU copies each layer's weight slice out of the
     # stack under the scan. Faster steps, longer compiles (notes/perf.md).
     unroll_layers: bool = True
+    # Refuse (RuntimeError) a step whose program warm-up did not build, instead of
+    # compiling it late with an ERROR log (on in the test suite).
+    strict_compiles: bool = False
 
     def __post_init__(self):
         _require(self.attention_backend in ("auto", "xla", "pallas", "pallas_mosaic",
@@ -321,3 +327,6 @@ class EngineConfig:
                  f"max_position_embeddings={self.model.max_position_embeddings}")
         _require(0 <= self.max_logprobs <= self.model.vocab_size,
                  f"EngineConfig.max_logprobs={self.max_logprobs} must be in [0, vocab_size]")
+        _require(self.logprobs_mode in ("raw_logprobs", "processed_logprobs"),
+                 f"EngineConfig.logprobs_mode={self.logprobs_mode!r} must be "
+                 f"raw_logprobs|processed_logprobs")

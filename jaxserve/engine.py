@@ -39,11 +39,17 @@ def make_engine_config(model: ModelConfig, **engine_args: Any) -> EngineConfig:
     """Distribute flat keyword arguments (vLLM `EngineArgs` style) over the configs.
 
     Each name must be a field of CacheConfig, SchedulerConfig or EngineConfig
-    (`dtype` goes to the ModelConfig).
+    (`dtype` goes to the ModelConfig; `scheduling_policy`, vLLM's name, is
+    SchedulerConfig.policy: "fcfs" or "priority").
 
     Raises:
       ValueError: an unknown argument, or any field validation error.
     """
+    if "scheduling_policy" in engine_args:
+        policy = engine_args.pop("scheduling_policy")
+        if engine_args.setdefault("policy", policy) != policy:
+            raise ValueError(f"scheduling_policy={policy!r} and policy="
+                             f"{engine_args['policy']!r} disagree: give one")
     if "dtype" in engine_args:
         model = model.replace(dtype=engine_args.pop("dtype"))
     groups: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}, EngineConfig: {}}
@@ -123,6 +129,8 @@ class LLMEngine:
         self.last_step_tokens = 0
         self.num_aborted = 0
         self.num_failed_steps = 0
+        self.weight_version = 0  # +1 per successful update_params
+        self._pending: list[RequestOutput] = []  # outputs of requests update_params failed
         if warmup:
             self.runner.warmup(progress=progress)
 
@@ -164,6 +172,10 @@ class LLMEngine:
         runner had to rebuild the KV cache, every other live request too,
         since their KV rows are gone); the engine itself stays usable.
         """
+        pending, self._pending = self._pending, []
+        return pending + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.last_step_tokens = out.num_scheduled_tokens
         self.outputs.on_scheduled(out, time.monotonic())
@@ -186,6 +198,38 @@ class LLMEngine:
         self.scheduler.update_from_output(out, {rid: t.token_id for rid, t in sampled.items()})
         changed += self.outputs.process_tokens(sampled, time.monotonic())
         return self.outputs.collect(changed)
+
+    # -------------------------------------------------------------- weights
+    def update_params(self, params: Any) -> int:
+        """Swap the model weights between steps; return the new `weight_version`.
+
+        `params` is a `Llama` NNX module, its `nnx.State` or a canonical tree
+        (NumPy or jax), as `LLMEngine(config, params)` takes. The runner checks
+        and converts it through the one `prepare_params` and keeps its compiled
+        programs (no recompilation). Requests in flight are FAILED (finish_reason
+        "error", the message names both weight versions), never continued on
+        new weights over KV computed with the old ones; their final outputs
+        come back from the next `step()`. The prefix cache is forgotten, since
+        its KV belongs to the old weights. (vLLM's RL weight sync and SGLang's
+        update_weights_from_disk pause or drain the same way.)
+
+        Raises:
+          ValueError: a missing, extra, mis-shaped or wrongly typed leaf, naming
+            its path; the engine then keeps serving the old weights untouched.
+          TypeError: the runner cannot swap weights (e.g. a FakeRunner).
+        """
+        swap = getattr(self.runner, "update_params", None)
+        if swap is None:
+            raise TypeError(f"{type(self.runner).__name__} has no update_params")
+        swap(params)  # validates first: a bad tree raises here, before anything changes
+        live = list(self.scheduler.requests)
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR)
+        msg = (f"weights updated from version {self.weight_version} to "
+               f"{self.weight_version + 1} while the request was in flight")
+        self._pending += self.outputs.collect(self.outputs.fail(live, msg))
+        self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self.weight_version += 1
+        return self.weight_version
 
     # -------------------------------------------------------------- control
     def abort(self, request_id: str) -> bool:
@@ -228,4 +272,5 @@ class LLMEngine:
             "num_programs_loaded": rs.programs_loaded,  # persistent compile-cache hits
             "compile_seconds": rs.compile_seconds,
             "last_step_tokens": self.last_step_tokens,
+            "weight_version": self.weight_version,
         }

@@ -16,10 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from jaxserve.config import EngineConfig
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.validation import Limits, validate_sampling_params
+from jaxserve.validation import Limits, validate_priority, validate_sampling_params
 
 
 @dataclass
@@ -71,6 +73,7 @@ class InputProcessor:
             raise ValueError(f"request_id={request_id!r} is already in use")
         # The one validator (jaxserve/validation.py): model-dependent checks + top_k clamp.
         params = validate_sampling_params(params or SamplingParams(), self.limits)
+        validate_priority(priority, self.limits)  # non-zero only under the priority policy
         child_ids = child_request_ids(request_id, params.n)
         taken = [c for c in child_ids if is_live(c)]
         if taken:
@@ -110,23 +113,84 @@ class InputProcessor:
         if isinstance(prompt, str):
             self._need_tokenizer("a text prompt")
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if is_array(prompt):
+            a = np.asarray(prompt)
+            if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"an array prompt must be 1-D integer token ids, got shape "
+                                 f"{a.shape} dtype {a.dtype}")
+            prompt = a.tolist()
         if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
             raise ValueError(f"prompt must be a str or a sequence of token ids, got "
                              f"{type(prompt).__name__}")
         V = self.config.model.vocab_size
         ids = []
-        for t in prompt:
+        for j, t in enumerate(prompt):
             try:
-                if isinstance(t, bool):
+                if isinstance(t, (bool, np.bool_)):
                     raise TypeError
                 t = operator.index(t)  # ints and NumPy integers
             except TypeError:
-                raise ValueError(f"prompt token id {t!r} is not an integer") from None
+                raise ValueError(f"prompt[{j}]={t!r} is not an integer token id") from None
             if not 0 <= t < V:
-                raise ValueError(f"prompt token id {t} is outside [0, vocab_size={V})")
+                raise ValueError(f"prompt[{j}]={t} is outside [0, vocab_size={V})")
             ids.append(t)
         return None, ids
 
     def _need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
             raise ValueError(f"{what} needs a tokenizer, and this engine was built without one")
+
+
+def is_array(x: Any) -> bool:
+    """A NumPy array or a jax.Array (duck-typed, so this module never imports jax)."""
+    return isinstance(x, np.ndarray) or (hasattr(x, "__array__") and hasattr(x, "ndim")
+                                         and hasattr(x, "dtype"))
+
+
+def split_padded(tokens: Any, *, lengths: Any = None, mask: Any = None) -> list[np.ndarray]:
+    """The rows of a right-padded token batch, each cut to its length.
+
+    Args:
+      tokens: int[B, T] (NumPy or jax.Array); row i's prompt is tokens[i, :len_i],
+        the rest is padding (right padding; its values are ignored).
+      lengths: int[B] prompt lengths in [0, T]; or
+      mask: bool/int[B, T], 1 on prompt tokens; each row must be a prefix
+        mask (1...1 0...0). Neither: every row is a full-length prompt.
+
+    Returns: B 1-D int arrays.
+
+    Raises:
+      ValueError: non-integer or non-2-D tokens, both lengths and mask, a shape
+        mismatch, a length outside [0, T] or a mask row that is not a prefix
+        (naming the row and the position).
+    """
+    a = np.asarray(tokens)
+    if a.ndim != 2 or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"a padded prompt batch must be int[B, T], got shape {a.shape} "
+                         f"dtype {a.dtype}")
+    B, T = a.shape
+    if lengths is not None and mask is not None:
+        raise ValueError("give prompt_lengths or prompt_mask, not both")
+    if mask is not None:
+        m = np.asarray(mask)
+        if m.shape != a.shape:
+            raise ValueError(f"prompt_mask has shape {m.shape}, the prompts {a.shape}")
+        m = m.astype(bool)
+        lens = m.sum(axis=1)
+        wrong = m != (np.arange(T)[None, :] < lens[:, None])
+        if wrong.any():
+            row = int(np.nonzero(wrong.any(axis=1))[0][0])
+            pos = int(np.nonzero(~m[row])[0][0])
+            raise ValueError(f"prompt_mask row {row} is not a prefix mask: 0 at position {pos} "
+                             f"before a later 1 (prompts are right-padded: 1...1 0...0)")
+    elif lengths is not None:
+        lens = np.asarray(lengths)
+        if lens.shape != (B,) or not np.issubdtype(lens.dtype, np.integer):
+            raise ValueError(f"prompt_lengths must be int[{B}], got shape {lens.shape} "
+                             f"dtype {lens.dtype}")
+        bad = np.nonzero((lens < 0) | (lens > T))[0]
+        if bad.size:
+            raise ValueError(f"prompt_lengths[{bad[0]}]={lens[bad[0]]} is outside [0, T={T}]")
+    else:
+        lens = np.full(B, T)
+    return [a[i, :int(lens[i])] for i in range(B)]

@@ -16,9 +16,12 @@ from typing import Any, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
-from jaxserve.outputs import RequestOutput
+from jaxserve.input_processor import is_array, split_padded
+from jaxserve.outputs import RequestOutput, RolloutBatch, rollout_arrays
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.validation import is_int
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -26,10 +29,21 @@ Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 def _is_single_prompt(p: Any) -> bool:
     if isinstance(p, str):
         return True
+    if is_array(p):
+        return p.ndim <= 1  # a 1-D token array; a 0-d one fails in the input processor
     if isinstance(p, Sequence) and len(p) > 0:
         # A token-id list or a chat conversation (list of message dicts) is one prompt.
-        return all(isinstance(x, int) for x in p) or all(isinstance(x, dict) for x in p)
+        return all(is_int(x) for x in p) or all(isinstance(x, dict) for x in p)
     return False
+
+
+def _prompt_list(prompts: Any, lengths: Any, mask: Any) -> list:
+    """The prompts one by one: a [B, T] array is split by `lengths`/`mask`."""
+    if is_array(prompts) and prompts.ndim == 2:
+        return split_padded(prompts, lengths=lengths, mask=mask)
+    if lengths is not None or mask is not None:
+        raise ValueError("prompt_lengths / prompt_mask go with a padded int[B, T] prompt array")
+    return [prompts] if _is_single_prompt(prompts) else list(prompts)
 
 
 class LLM:
@@ -70,9 +84,53 @@ class LLM:
         self.engine = engine
         self._ids = itertools.count()
 
+    @classmethod
+    def from_module(cls, module: Any, tokenizer: Any = None, *, cfg: ModelConfig | None = None,
+                    model_name: str = "module", **engine_args: Any) -> "LLM":
+        """An engine over in-memory weights, e.g. the policy a JAX trainer holds.
+
+        Args:
+          module: a `jaxserve.model.llama.Llama` NNX module, its `nnx.State`, or
+            the canonical parameter tree (NumPy or jax leaves). The weights go
+            through the one `prepare_params` transform: no disk round trip and
+            one engine-layout copy (none of the module's arrays is mutated, so
+            training can go on and `update_params` can send the next step's).
+          tokenizer: a `jaxserve.checkpoint.tokenizer.Tokenizer`-like object, or
+            None for token-id prompts only.
+          cfg: the ModelConfig; taken from `module.cfg` when `module` is a Llama.
+          **engine_args: as for `LLM(...)` (block_size, num_kv_blocks, ...,
+            `dtype` overrides cfg.dtype).
+
+        Raises:
+          ValueError: no cfg for a state/tree, a bad engine argument, or a
+            parameter tree that does not match cfg (naming the leaf's path).
+        """
+        cfg = cfg if cfg is not None else getattr(module, "cfg", None)
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"LLM.from_module: pass cfg=ModelConfig(...) for a "
+                             f"{type(module).__name__} (only a Llama module carries its cfg)")
+        config = make_engine_config(cfg, **engine_args)
+        return cls(engine=LLMEngine(config, module, tokenizer, model_name=model_name))
+
+    def update_params(self, params: Any) -> int:
+        """Swap the weights without recompiling; the new weight version (see
+        `LLMEngine.update_params`: validation, prefix cache, requests in flight)."""
+        return self.engine.update_params(params)
+
+    @property
+    def weight_version(self) -> int:
+        """0 for the weights the engine was built with, +1 per `update_params`."""
+        return self.engine.weight_version
+
     def _submit(self, prompts: Prompt | Sequence[Prompt],
-                sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
-        plist = [prompts] if _is_single_prompt(prompts) else list(prompts)
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                lengths: Any = None, mask: Any = None,
+                priority: int | Sequence[int] = 0) -> list[str]:
+        plist = _prompt_list(prompts, lengths, mask)
+        # A scalar priority applies to every prompt; a list gives one per prompt (vLLM).
+        prlist = [priority] * len(plist) if is_int(priority) else list(priority)
+        if len(prlist) != len(plist):
+            raise ValueError(f"got {len(prlist)} priorities for {len(plist)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             splist = [sampling_params or SamplingParams()] * len(plist)
         else:
@@ -81,12 +139,16 @@ class LLM:
                 raise ValueError(f"got {len(splist)} SamplingParams for {len(plist)} prompts")
         ids = []
         try:
-            for p, sp in zip(plist, splist):
+            for i, (p, sp, pr) in enumerate(zip(plist, splist, prlist)):
                 rid = f"gen-{next(self._ids)}"
-                if not isinstance(p, str) and len(p) > 0 and all(isinstance(m, dict) for m in p):
-                    self.engine.add_request(rid, params=sp, messages=p)
-                else:
-                    self.engine.add_request(rid, p, sp)
+                try:
+                    if (not isinstance(p, str) and not is_array(p) and len(p) > 0
+                            and all(isinstance(m, dict) for m in p)):
+                        self.engine.add_request(rid, params=sp, messages=p, priority=pr)
+                    else:
+                        self.engine.add_request(rid, p, sp, priority=pr)
+                except ValueError as e:  # name the row of the batch
+                    raise ValueError(f"prompts[{i}]: {e}") from e
                 ids.append(rid)
         except Exception:
             for rid in ids:  # all-or-nothing: a bad prompt leaves no half-submitted batch
@@ -95,10 +157,11 @@ class LLM:
         return ids
 
     def generate_stream(self, prompts: Prompt | Sequence[Prompt],
-                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                        ) -> Iterator[RequestOutput]:
-        """Yield each step's `RequestOutput`s (with deltas) until all prompts finish."""
-        pending = set(self._submit(prompts, sampling_params))
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        *, priority: int | Sequence[int] = 0) -> Iterator[RequestOutput]:
+        """Yield each step's `RequestOutput`s (with deltas) until all prompts finish
+        (`priority` as for `generate`)."""
+        pending = set(self._submit(prompts, sampling_params, priority=priority))
         try:
             while pending:
                 for out in self.engine.step():
@@ -112,17 +175,36 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 prompt_lengths: Any = None, prompt_mask: Any = None,
+                 return_arrays: str | None = None, use_tqdm: bool = True,
+                 priority: int | Sequence[int] = 0
+                 ) -> list[RequestOutput] | tuple[list[RequestOutput], RolloutBatch]:
         """Generate for every prompt; return final outputs in input order.
 
-        Each prompt is a string, a token-id list, or a chat conversation
-        (list of {"role", "content"} dicts, chat template applied).
+        Each prompt is a string, token ids (a list of Python/NumPy ints, or a
+        1-D NumPy/jax integer array), or a chat conversation (list of
+        {"role", "content"} dicts, chat template applied). A batch of token
+        prompts may also be one right-padded int[B, T] array: row i is
+        prompts[i, :prompt_lengths[i]], or the 1s of prompt_mask[i] (which must
+        be a prefix mask, 1...1 0...0); with neither, every row is full length.
+
+        With return_arrays="numpy" or "jax" the result is (outputs, batch):
+        `batch` is `rollout_arrays(outputs, array=return_arrays)`, the padded
+        completion ids, mask, per-token logprobs and finish reasons (one row
+        per sample, prompt-major); call `jaxserve.outputs.rollout_arrays`
+        yourself for a pad id or to drop the stop token.
+
+        `priority` (one int for all prompts, or one per prompt; lower runs
+        first) needs an engine built with scheduling_policy="priority"; under
+        "fcfs" a non-zero value is a ValueError, as in vLLM.
 
         Raises:
-          ValueError: a bad prompt or sampling parameter, or a SamplingParams
-            list whose length differs from the prompts'; nothing is queued then.
+          ValueError: a bad prompt (the message names the row `prompts[i]` and,
+            for a token id, its position) or sampling parameter, a non-prefix
+            mask, or a SamplingParams list whose length differs from the
+            prompts'; nothing is queued then.
         """
-        ids = self._submit(prompts, sampling_params)
+        ids = self._submit(prompts, sampling_params, prompt_lengths, prompt_mask, priority)
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
@@ -136,4 +218,6 @@ class LLM:
                 for rid, r in zip(ids, results):
                     if r is None:
                         self.engine.abort(rid)
+        if return_arrays is not None:
+            return results, rollout_arrays(results, array=return_arrays)  # type: ignore[arg-type]
         return results  # type: ignore[return-value]

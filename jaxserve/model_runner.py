@@ -6,9 +6,15 @@ moved to the device with ONE `device_put` as a typed `StepBatch`, run through
 the compiled program for that shape (the KV cache donated so XLA updates it in
 place), and the sampled ids come back with ONE device-to-host copy.
 
-Programs are ahead-of-time executables (`jit(...).lower(...).compile()`),
-one per (T_pad, S_pad) pair, built at warm-up: the analogue of vLLM's
-CUDA-graph capture sizes. Holding them explicitly makes the accounting exact:
+Programs are ahead-of-time executables (`jit(...).lower(...).compile()`) in two
+families that add rather than multiply (T + S programs, not T x S): the layer
+stack per token bucket T_pad (embedding, decoder layers, final norm, and the
+gather of the rows whose logits are wanted, at the largest seq bucket), and the
+head per seq bucket S_pad (LM head + sampler over the first S_pad gathered rows).
+The two run back to back; the gathered rows stay on the device. All are built
+at warm-up: the analogue of vLLM's CUDA-graph capture sizes, with the split of
+tpu-inference's separate model / compute_logits / sample jits. Holding them
+explicitly makes the accounting exact:
 each is counted as built by XLA or loaded from the persistent compile cache
 (jax's public `jax.monitoring` event '/jax/compilation_cache/cache_hits'), and
 a step whose shape has no program is a counted late compile, logged as the
@@ -33,7 +39,7 @@ from tqdm.auto import tqdm
 from jaxserve.batch import build_batch
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model.attention import AttentionBackend, CommonAttentionMetadata, get_attention_backend
-from jaxserve.model.llama import forward_paged, prepare_params
+from jaxserve.model.llama import compute_logits, paged_attn, prepare_params, run_layers
 from jaxserve.request import Request
 from jaxserve.runner import RowError, RowResult, RunnerStats, SampledToken
 from jaxserve.sampler import SamplingMetadata, SamplingRow, make_sampling_metadata, sample
@@ -142,31 +148,41 @@ class StepBatch:
     sampling: SamplingMetadata  # per-row sampling parameters, [S] leading axis
 
 
-def _step_fn(cfg: ModelConfig, backend: AttentionBackend, max_logprobs: int, params, kv_cache,
-             batch: StepBatch):
-    """Pure step: forward over the padded batch, logits at logits_indices, sample."""
-    logits, kv_cache = forward_paged(cfg, params, batch.input_ids, batch.positions, kv_cache,
-                                     batch.attn_md, batch.logits_indices, backend=backend)
-    out = sample(logits, batch.sampling, max_logprobs=max_logprobs)
-    return out, kv_cache
+def _stack_fn(cfg: ModelConfig, backend: AttentionBackend, params, kv_cache, batch: StepBatch):
+    """Layer-stack program (one per T_pad): the decoder over the padded tokens, then the
+    final-normed hidden rows at logits_indices, f32/cfg.dtype [S_max, E]. `batch.sampling`
+    is None here. Equals `llama.forward_paged` up to the LM head."""
+    hidden, kv_cache = run_layers(cfg, params, batch.input_ids, batch.positions,
+                                  paged_attn(cfg, batch.attn_md, backend), kv_cache)
+    return hidden[batch.logits_indices], kv_cache
+
+
+def _head_fn(cfg: ModelConfig, max_logprobs: int, logprobs_mode: str, params, rows,
+             sampling: SamplingMetadata):
+    """Head program (one per S_pad): LM head over the first S_pad of the gathered rows
+    [S_max, E] (S_pad is the sampling metadata's leading size), then the sampler."""
+    s_pad = jax.tree.leaves(sampling)[0].shape[0]
+    return sample(compute_logits(cfg, params, rows[:s_pad]), sampling, max_logprobs=max_logprobs,
+                  logprobs_mode=logprobs_mode)
 
 
 class ModelRunner:
-    """The real `Runner`: device state (params, KV cache) and one AOT program per bucket.
+    """The real `Runner`: device state (params, KV cache) and the AOT programs: one
+    layer stack per token bucket and one head (LM head + sampler) per seq bucket.
 
     Args:
       config: the engine config (model, cache, scheduler limits, backend).
       params: the canonical parameter tree (see `jaxserve.model.llama`), any array type.
       bucket_policy: the (T_pad, S_pad) shapes this runner may be asked for.
       strict_compiles: raise instead of compiling when a step after warm-up
-        needs a program warm-up did not build.
+        needs a program warm-up did not build (None: `config.strict_compiles`).
 
     The pool size N is `config.cache.num_kv_blocks`, or what
     `kv_cache_memory_bytes` holds; the cache is 2 x [L, N, B, K, D] in cfg.dtype.
     """
 
     def __init__(self, config: EngineConfig, params: Any, *, bucket_policy: BucketPolicy,
-                 strict_compiles: bool = False):
+                 strict_compiles: bool | None = None):
         CacheHits.install()
         self.config = config
         self.cfg = config.model
@@ -175,15 +191,19 @@ class ModelRunner:
         logger.info(describe_capacity(config, self.num_kv_blocks))
         self.max_blocks_per_seq = math.ceil(config.scheduler.max_model_len / self.block_size)
         self.bucket_policy = bucket_policy
-        self.strict_compiles = strict_compiles
+        self.strict_compiles = config.strict_compiles if strict_compiles is None else strict_compiles
+        self.max_seq_bucket = bucket_policy.seq_buckets[-1]  # the stack's row dimension
         self.backend = get_attention_backend(config.attention_backend, self.cfg,
                                              block_size=self.block_size,
                                              interpret=config.attention_interpret)
         self.params = prepare_params(self.cfg, params, unroll_layers=config.unroll_layers)
         self.kv_cache = self._zero_kv_cache()
-        self._jit = jax.jit(functools.partial(_step_fn, self.cfg, self.backend, config.max_logprobs),
-                            donate_argnums=(1,))
-        self._programs: dict[tuple[int, int], Any] = {}  # (T_pad, S_pad) -> jax.stages.Compiled
+        self._stack_jit = jax.jit(functools.partial(_stack_fn, self.cfg, self.backend),
+                                  donate_argnums=(1,))
+        self._head_jit = jax.jit(functools.partial(_head_fn, self.cfg, config.max_logprobs,
+                                                   config.logprobs_mode))
+        # ("stack", T_pad) and ("head", S_pad) -> jax.stages.Compiled
+        self._programs: dict[tuple[str, int], Any] = {}
         self._warm = False
         self._stats = RunnerStats()
 
@@ -201,6 +221,29 @@ class ModelRunner:
         self.kv_cache = self._zero_kv_cache()
         return True
 
+    def update_params(self, params: Any) -> None:
+        """Swap in new weights (a `Llama`, its `nnx.State` or a canonical tree) between steps.
+
+        They go through the one `prepare_params`, then must match the live engine
+        layout leaf for leaf (shape, dtype, sharding), so every AOT program runs
+        them unchanged: nothing is recompiled. On any error the old weights stay.
+
+        Raises:
+          ValueError: a missing/extra/mis-shaped/non-floating leaf (from
+            `prepare_params`) or a layout mismatch, naming the leaf's path.
+        """
+        new = prepare_params(self.cfg, params, unroll_layers=self.config.unroll_layers)
+        old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.params)
+        new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
+        if old_def != new_def:
+            raise ValueError(f"update_params: tree structure {new_def} != engine's {old_def}")
+        for (path, o), (_, n) in zip(old_leaves, new_leaves):
+            if (o.shape, o.dtype, o.sharding) != (n.shape, n.dtype, n.sharding):
+                raise ValueError(f"update_params: leaf {jax.tree_util.keystr(path)} is "
+                                 f"{n.shape} {n.dtype} on {n.sharding}, the engine's is "
+                                 f"{o.shape} {o.dtype} on {o.sharding}")
+        self.params = new
+
     def stats(self) -> RunnerStats:
         """Programs built / loaded / late, compile and warm-up seconds, steps per shape."""
         return self._stats
@@ -208,8 +251,13 @@ class ModelRunner:
     # -------------------------------------------------------- host-side arrays
     def _host_batch(self, out: SchedulerOutput, requests: Mapping[str, Request]
                     ) -> tuple[StepBatch, dict[str, RowError]]:
-        """The step's host arrays, and the rows whose own host work failed."""
-        b = build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
+        """The step's host arrays, and the rows whose own host work failed.
+
+        The token layout and attention metadata use the largest seq bucket (the
+        layer stack is one program per T_pad); only the sampling rows use S_pad.
+        """
+        b = build_batch(dataclasses.replace(out, seq_bucket=self.max_seq_bucket),
+                        block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
         common = CommonAttentionMetadata(slot_mapping=b.slot_mapping,
                                          query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
                                          block_table=b.block_table, num_seqs=b.num_seqs)
@@ -260,8 +308,12 @@ class ModelRunner:
         results: dict[str, RowResult] = dict(errors)
         if len(errors) == len(out.scheduled):
             return results  # nothing left to compute
-        program = self._program((out.token_bucket, out.seq_bucket))
-        res, self.kv_cache = program(self.params, self.kv_cache, jax.device_put(host))
+        stack = self._program(("stack", out.token_bucket))
+        head = self._program(("head", out.seq_bucket))
+        dev = jax.device_put(host)
+        rows, self.kv_cache = stack(self.params, self.kv_cache,
+                                    dataclasses.replace(dev, sampling=None))
+        res = head(self.params, rows, dev.sampling)  # rows [S_max, E] never leave the device
         ids, lps, top_ids, top_lps = jax.device_get(
             (res.token_ids, res.logprobs, res.top_ids, res.top_logprobs))
         st = self._stats
@@ -275,53 +327,75 @@ class ModelRunner:
         return results
 
     # -------------------------------------------------------- programs
-    def _build(self, shape: tuple[int, int]) -> Any:
-        """Lower and compile (or load from the persistent cache) the program of one shape."""
-        t_pad, s_pad = shape
+    def _padding_batch(self, t_pad: int, s_pad: int) -> StepBatch:
+        """An all-padding host batch at (t_pad, s_pad): a real step's shapes and structure."""
         empty = SchedulerOutput(scheduled=(), num_scheduled_tokens=0, token_bucket=t_pad,
                                 seq_bucket=s_pad, preempted_ids=(), finished_ids=(), step=-1)
-        host, _ = self._host_batch(empty, {})
+        return self._host_batch(empty, {})[0]
+
+    def _build(self, key: tuple[str, int]) -> Any:
+        """Lower and compile (or load from the persistent cache) one program:
+        ("stack", T_pad) or ("head", S_pad)."""
+        family, size = key
+        t_pad, s_pad = (size, self.max_seq_bucket) if family == "stack" else (1, size)
+        host = self._padding_batch(t_pad, s_pad)
         t0, hits0 = time.perf_counter(), CacheHits.count()
-        program = self._jit.lower(self.params, self.kv_cache, host).compile()
+        if family == "stack":
+            lowered = self._stack_jit.lower(self.params, self.kv_cache,
+                                            dataclasses.replace(host, sampling=None))
+        else:
+            lowered = self._head_jit.lower(self.params, self._rows_spec(), host.sampling)
+        program = lowered.compile()
         st = self._stats
         st.compile_seconds += time.perf_counter() - t0
         if CacheHits.count() > hits0:
             st.programs_loaded += 1
         else:
             st.programs_built += 1
-        self._programs[shape] = program
+        self._programs[key] = program
         return program
 
-    def _program(self, shape: tuple[int, int]) -> Any:
-        program = self._programs.get(shape)
+    def _rows_spec(self) -> jax.ShapeDtypeStruct:
+        """Shape and dtype of the stack's gathered rows [S_max, E]: read off a built stack
+        program (warm-up builds the stacks first), else traced abstractly."""
+        for (family, _), program in self._programs.items():
+            if family == "stack":
+                return program.out_info[0]
+        host = self._padding_batch(self.bucket_policy.token_buckets[0], self.max_seq_bucket)
+        return jax.eval_shape(self._stack_jit, self.params, self.kv_cache,
+                              dataclasses.replace(host, sampling=None))[0]
+
+    def _program(self, key: tuple[str, int]) -> Any:
+        program = self._programs.get(key)
         if program is not None:
             return program
         if self._warm:
             self._stats.late_compiles += 1
             if self.strict_compiles:
-                raise RuntimeError(f"no program for bucket shape (T_pad, S_pad)={shape}: warm-up "
-                                   f"built {sorted(self._programs)} (strict_compiles)")
-            logger.error("late compile: no warm-up program for bucket shape (T_pad, S_pad)=%s; "
-                         "a shape escaped BucketPolicy.all_shapes() (%d late so far)", shape,
+                raise RuntimeError(f"no {key[0]} program for bucket {key[1]}: warm-up built "
+                                   f"{sorted(self._programs)} (strict_compiles)")
+            logger.error("late compile: no warm-up %s program for bucket %d; a shape escaped "
+                         "BucketPolicy.program_keys() (%d late so far)", key[0], key[1],
                          self._stats.late_compiles)
-        return self._build(shape)
+        return self._build(key)
 
     def warmup(self, *, progress: bool = True) -> None:
-        """Build (or load) the program of every (T_pad, S_pad) the bucket policy can produce.
+        """Build (or load) every program the bucket policy can request
+        (`BucketPolicy.program_keys()`: T_pad stacks + S_pad heads).
 
         Each is lowered on an all-padding batch (every token writes to the null
         block, no sequence is real), which has exactly the shapes and pytree
         structure of a real step.
         """
-        shapes = self.bucket_policy.all_shapes()
+        keys = self.bucket_policy.program_keys()
         st = self._stats
         built0, loaded0, t0 = st.programs_built, st.programs_loaded, time.perf_counter()
-        for shape in tqdm(shapes, desc="warm-up (compile buckets)", disable=not progress):
-            if shape not in self._programs:
-                self._build(shape)
+        for key in tqdm(keys, desc="warm-up (compile buckets)", disable=not progress):
+            if key not in self._programs:
+                self._build(key)
         self._warm = True
         st.warmup_seconds = time.perf_counter() - t0
-        st.warmup_programs = len(shapes)
+        st.warmup_programs = len(keys)
         logger.info("warm-up: %d programs in %.1f s (%d compiled by XLA, %d loaded from the "
-                    "compile cache)", len(shapes), st.warmup_seconds, st.programs_built - built0,
+                    "compile cache)", len(keys), st.warmup_seconds, st.programs_built - built0,
                     st.programs_loaded - loaded0)

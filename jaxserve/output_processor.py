@@ -34,6 +34,7 @@ class _Child:
     index: int
     detok: IncrementalDetokenizer | None
     logprobs: list[dict[int, float]] | None
+    token_logprobs: list[float] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
     error: str | None = None
@@ -147,6 +148,7 @@ class OutputProcessor:
             p.metrics.token_times.append(now)
         c.delta_ids.append(tok.token_id)
         c.cumulative_logprob += tok.logprob
+        c.token_logprobs.append(tok.logprob)
         if c.logprobs is not None:
             k = c.request.sampling_params.logprobs or 0
             entry = {int(t): float(lp) for t, lp in zip(tok.top_ids[:k], tok.top_logprobs[:k])}
@@ -192,6 +194,7 @@ class OutputProcessor:
             token_ids=list(c.request.output_token_ids), delta_text=c.delta_text,
             delta_token_ids=c.delta_ids, logprobs=None if c.logprobs is None else list(c.logprobs),
             delta_logprobs=c.delta_logprobs if c.logprobs is not None else None,
+            token_logprobs=list(c.token_logprobs),
             cumulative_logprob=c.cumulative_logprob, finish_reason=c.request.finish_reason,
             stop_reason=c.stop_reason, error=c.error)
         c.delta_text, c.delta_ids, c.delta_logprobs = "", [], []

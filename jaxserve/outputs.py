@@ -8,6 +8,9 @@ output; final callers read the cumulative fields once `finished` is True.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
 
 
 @dataclass
@@ -50,8 +53,10 @@ class CompletionOutput:
     """One sample of a request.
 
     `logprobs`, when requested, has one dict per output token mapping token
-    id -> logprob (the chosen token plus the top-`logprobs` alternatives), all
-    from the model's raw distribution. `finish_reason` is "stop", "length",
+    id -> logprob (the chosen token plus the top-`logprobs` alternatives), from
+    the model's raw distribution or, with `EngineConfig.logprobs_mode=
+    "processed_logprobs"`, the sampled one. `token_logprobs` (always filled)
+    holds the logprob of each sampled token, in the same mode. `finish_reason` is "stop", "length",
     "abort" or "error" once finished, else None; `stop_reason` is the stop
     token id or stop string that ended it (None for EOS and length).
     """
@@ -63,6 +68,8 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     delta_logprobs: list[dict[int, float]] | None = None
+    # The logprob of each sampled token (always recorded; what RL rollouts need).
+    token_logprobs: list[float] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -87,3 +94,73 @@ class RequestOutput:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """The completions of a batch as padded arrays (R = sum of n over the prompts).
+
+    Row r is sample j of prompt i, prompt-major (r = i*n + j when all n are equal);
+    completions are right-padded to L = the longest completion.
+
+    Fields:
+      token_ids: i32[R, L] completion token ids; `pad_id` after each completion.
+      mask: bool[R, L] True on the completion's tokens (a prefix of each row).
+      logprobs: f32[R, L] logprob of each sampled token (0.0 at padding).
+      lengths: i32[R] completion lengths (mask.sum(1)); 0 is possible.
+      prompt_index: i32[R] the prompt each row samples.
+      finish_reasons: R strings ("stop", "length", "abort", "error").
+    """
+
+    token_ids: Any
+    mask: Any
+    logprobs: Any
+    lengths: Any
+    prompt_index: Any
+    finish_reasons: tuple[str, ...]
+
+
+def _ends_with_stop_token(c: CompletionOutput) -> bool:
+    # "stop" by EOS (stop_reason None) or a stop token id (an int) sampled that token;
+    # a stop string is matched in text, so its last token is an ordinary one.
+    return c.finish_reason == "stop" and not isinstance(c.stop_reason, str) and bool(c.token_ids)
+
+
+def rollout_arrays(outputs: Sequence[RequestOutput], *, pad_id: int = 0,
+                   include_stop_token: bool = True, array: str = "numpy") -> RolloutBatch:
+    """Pad the final outputs of a batch into a `RolloutBatch` (for RL pipelines).
+
+    Args:
+      outputs: finished `RequestOutput`s, in prompt order.
+      pad_id: the id written after each completion.
+      include_stop_token: keep the EOS / stop token id that ended a "stop"
+        completion (vLLM's token_ids do); False drops it, so a completion whose
+        first token was EOS has length 0.
+      array: "numpy" or "jax" (the arrays are built in NumPy and moved once).
+
+    Raises:
+      ValueError: an unfinished output, or array not "numpy"/"jax".
+    """
+    if array not in ("numpy", "jax"):
+        raise ValueError(f"array={array!r} must be 'numpy' or 'jax'")
+    rows, owner = [], []
+    for i, o in enumerate(outputs):
+        if not o.finished:
+            raise ValueError(f"outputs[{i}] ({o.request_id!r}) is not finished")
+        for c in o.outputs:
+            k = len(c.token_ids) - (not include_stop_token and _ends_with_stop_token(c))
+            rows.append((c.token_ids[:k], c.token_logprobs[:k], c.finish_reason))
+            owner.append(i)
+    L = max((len(t) for t, _, _ in rows), default=0)
+    ids = np.full((len(rows), L), pad_id, np.int32)
+    lps = np.zeros((len(rows), L), np.float32)
+    lengths = np.array([len(t) for t, _, _ in rows], np.int32)
+    for r, (t, lp, _) in enumerate(rows):
+        ids[r, :len(t)], lps[r, :len(t)] = t, lp
+    mask = np.arange(L)[None, :] < lengths[:, None]
+    host = (ids, mask, lps, lengths, np.array(owner, np.int32))
+    if array == "jax":
+        import jax
+
+        host = jax.device_put(host)
+    return RolloutBatch(*host, finish_reasons=tuple(str(f) for _, _, f in rows))

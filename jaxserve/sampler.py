@@ -6,6 +6,8 @@ pytree structure is the same for every batch: rows that use no penalty still car
 a (filled with -1) token history.
 
 Semantics follow vLLM (`vllm/v1/sample/sampler.py`):
+  0. logit_bias (OpenAI): a per-row [S, 300] (id, bias) pair added to the logits
+     (padding entries add 0 to id 0), so any bias is data and never recompiles;
   1. repetition penalty on prompt+output tokens, then frequency/presence penalties
      on output-token counts (CTRL, Keskar et al. 2019; OpenAI API);
   2. stop/EOS ids suppressed while a request has fewer than `min_tokens` outputs;
@@ -13,8 +15,12 @@ Semantics follow vLLM (`vllm/v1/sample/sampler.py`):
   4. sampled rows: divide by temperature, top-k, top-p (nucleus, Holtzman et al. 2020,
      computed on the top-k-renormalised distribution), min-p (Nguyen et al. 2024), then
      draw one token by inverse-CDF sampling with a per-row key.
-Logprobs are those of the model's raw distribution (log_softmax of the unmodified
-logits), vLLM's default `logprobs_mode`.
+Logprobs follow vLLM's `logprobs_mode`: "raw_logprobs" (default) is the model's raw
+distribution (log_softmax of the unmodified logits); "processed_logprobs" is the
+distribution actually sampled from, after penalties, min_tokens suppression,
+temperature and top-k/top-p/min-p (greedy rows are neither temperature-scaled nor
+top-k/top-p filtered), which RL importance ratios at temperature != 1 need; ids the
+filters removed get -inf. Processed mode always builds the filtered [S, V] logits.
 
 A row's random key is `fold_in(key(seed), output_pos)`: it depends only on the
 request's (seed, output position), never on the row index, batch-mates, the bucket
@@ -37,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxserve.validation import MAX_LOGIT_BIAS
 
 # vLLM's _SAMPLING_EPS: temperatures below it are greedy.
 SAMPLING_EPS = 1e-5
@@ -46,6 +53,8 @@ MAX_EOS_TOKEN_IDS = 8
 SUPPRESS_WIDTH = MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS
 # Largest-logit window for top-k / top-p thresholds before falling back to bisection.
 DEFAULT_TOP_WINDOW = 256
+# vLLM's logprobs modes that return logprobs (its *_logits modes are not supported).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @jax.tree_util.register_dataclass
@@ -69,6 +78,8 @@ class SamplingMetadata:
     token_history: jax.Array  # i32[S, max_model_len]; prompt ids then output ids, -1 = empty
     prompt_lens: jax.Array  # i32[S]; token_history[:, :prompt_lens] are prompt tokens
     suppress_ids: jax.Array  # i32[S, SUPPRESS_WIDTH]; ids masked to -inf (min_tokens), -1 = none
+    logit_bias_ids: jax.Array  # i32[S, MAX_LOGIT_BIAS]; biased ids, padding entries 0
+    logit_bias_values: jax.Array  # f32[S, MAX_LOGIT_BIAS]; added to the logits, padding 0
 
 
 @jax.tree_util.register_dataclass
@@ -119,8 +130,8 @@ def make_sampling_metadata(
 
     Raises:
       ValueError: len(rows) > num_rows, a seed outside [0, 2**64), a negative output_pos,
-        more than MAX_EOS_TOKEN_IDS eos ids, or a penalised row whose history exceeds
-        max_model_len.
+        more than MAX_EOS_TOKEN_IDS eos ids, more than MAX_LOGIT_BIAS logit_bias entries,
+        or a penalised row whose history exceeds max_model_len.
     """
     if len(rows) > num_rows:
         raise ValueError(f"len(rows)={len(rows)} exceeds num_rows={num_rows}")
@@ -139,6 +150,8 @@ def make_sampling_metadata(
     history = np.full((S, max_model_len), -1, np.int32)  # cheap when no row is penalised
     prompt_lens = np.zeros(S, np.int32)
     suppress = np.full((S, SUPPRESS_WIDTH), -1, np.int32)
+    bias_ids = np.zeros((S, MAX_LOGIT_BIAS), np.int32)
+    bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
     for i, row in enumerate(rows):
         if row is None:
             continue
@@ -174,11 +187,18 @@ def make_sampling_metadata(
             # ignore_eos EOS does not stop it, so EOS stays sampleable (DESIGN.md).
             ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(row.eos_token_ids))
             suppress[i, :len(ids)] = ids
+        if p.logit_bias:
+            if len(p.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"rows[{i}] has {len(p.logit_bias)} logit_bias entries, "
+                                 f"at most MAX_LOGIT_BIAS={MAX_LOGIT_BIAS}")
+            pairs = np.asarray(p.logit_bias, np.float64)  # [n, 2]; ids < 2**31 are exact
+            bias_ids[i, :len(pairs)] = pairs[:, 0]
+            bias_values[i, :len(pairs)] = pairs[:, 1]
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng_key=rng_key,
         output_pos=output_pos, repetition_penalty=rep, presence_penalty=pres,
         frequency_penalty=freq, token_history=history, prompt_lens=prompt_lens,
-        suppress_ids=suppress)
+        suppress_ids=suppress, logit_bias_ids=bias_ids, logit_bias_values=bias_values)
 
 
 def apply_penalties(x: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -295,10 +315,9 @@ def filter_logits(x: jax.Array, md: SamplingMetadata, greedy: jax.Array,
     return jnp.where(z - zmax >= jnp.log(md.min_p)[:, None], z, -jnp.inf)
 
 
-def _sample_random(x: jax.Array, md: SamplingMetadata, greedy: jax.Array, window: int):
-    """Draw one token per row from the filtered, temperature-scaled distribution. i32[S]."""
-    S, V = x.shape
-    z = filter_logits(x, md, greedy, window)
+def _sample_random(z: jax.Array, md: SamplingMetadata):
+    """Draw one token per row from z (f32[S, V], `filter_logits`' output). i32[S]."""
+    S, V = z.shape
     zmax = jnp.max(z, -1, keepdims=True)
 
     def row_uniform(key_data, pos):
@@ -328,7 +347,8 @@ def _argmax_lowest(x: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
-           top_window: int = DEFAULT_TOP_WINDOW) -> SamplerOutput:
+           top_window: int = DEFAULT_TOP_WINDOW,
+           logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
     """Sample one token per row (pure; call it inside the engine's jitted step).
 
     Args:
@@ -336,6 +356,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
       md: SamplingMetadata for the same S.
       max_logprobs: static; how many top raw logprobs to return per row (0 allowed).
       top_window: static; largest-logit window for top-k/top-p before exact bisection.
+      logprobs_mode: static; "raw_logprobs" or "processed_logprobs" (module docstring).
 
     Returns:
       SamplerOutput (token_ids i32[S], logprobs f32[S], top_ids i32[S, max_logprobs],
@@ -343,8 +364,10 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
 
     Raises:
       ValueError: logits not 2-D, md row count != S, max_logprobs outside [0, V],
-        or top_window < 1.
+        top_window < 1, or an unknown logprobs_mode.
     """
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode={logprobs_mode!r} must be one of {LOGPROBS_MODES}")
     if logits.ndim != 2:
         raise ValueError(f"logits.shape={logits.shape} must be [S, V]")
     S, V = logits.shape
@@ -355,25 +378,38 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
     if top_window < 1:
         raise ValueError(f"top_window={top_window} must be >= 1")
     logits = logits.astype(jnp.float32)
-    # Raw logprob = (x - max) - log(sum(exp(x - max))), as jax.nn.log_softmax computes it,
-    # but only at the S chosen ids and the top ids: no [S, V] log_softmax is materialised.
-    zmax = jax.lax.stop_gradient(jnp.max(logits, -1, keepdims=True))  # [S, 1]
-    log_z = jnp.log(jnp.sum(jnp.exp(logits - zmax), -1, keepdims=True))  # [S, 1]
+    # logit_bias first (vLLM applies it with min_tokens, before penalties); ids are < V by
+    # validation, and padding entries add 0 to id 0.
+    bias_rows = jnp.broadcast_to(jnp.arange(S)[:, None], md.logit_bias_ids.shape)
+    x = jax.lax.cond(
+        jnp.any(md.logit_bias_values != 0.0),
+        lambda: logits.at[bias_rows, md.logit_bias_ids].add(md.logit_bias_values, mode="drop"),
+        lambda: logits)
     use_pen = ((md.repetition_penalty != 1.0) | (md.presence_penalty != 0.0)
                | (md.frequency_penalty != 0.0))
-    x = jax.lax.cond(jnp.any(use_pen), lambda: apply_penalties(logits, md), lambda: logits)
+    x = jax.lax.cond(jnp.any(use_pen), lambda: apply_penalties(x, md), lambda: x)
     sup_rows = jnp.broadcast_to(jnp.arange(S)[:, None], md.suppress_ids.shape)
     sup_idx = jnp.where(md.suppress_ids >= 0, md.suppress_ids, V)
     x = x.at[sup_rows, sup_idx].set(-jnp.inf, mode="drop")
     # top_k == 1 is greedy too, so that ties go to the lowest id exactly as temperature=0 (C20).
     greedy = (md.temperature < SAMPLING_EPS) | (md.top_k == 1)
     greedy_ids = _argmax_lowest(x)
-    token_ids = jax.lax.cond(
-        jnp.all(greedy), lambda: greedy_ids,
-        lambda: jnp.where(greedy, greedy_ids, _sample_random(x, md, greedy, top_window)))
-    logprobs = ((jnp.take_along_axis(logits, token_ids[:, None], -1) - zmax) - log_z)[:, 0]
+    if logprobs_mode == "processed_logprobs":
+        base = filter_logits(x, md, greedy, top_window)  # the sampled distribution
+        token_ids = jnp.where(greedy, greedy_ids, _sample_random(base, md))
+    else:
+        base = logits
+        token_ids = jax.lax.cond(
+            jnp.all(greedy), lambda: greedy_ids,
+            lambda: jnp.where(greedy, greedy_ids,
+                              _sample_random(filter_logits(x, md, greedy, top_window), md)))
+    # logprob = (x - max) - log(sum(exp(x - max))), as jax.nn.log_softmax computes it,
+    # but only at the S chosen ids and the top ids: no [S, V] log_softmax is materialised.
+    zmax = jax.lax.stop_gradient(jnp.max(base, -1, keepdims=True))  # [S, 1]
+    log_z = jnp.log(jnp.sum(jnp.exp(base - zmax), -1, keepdims=True))  # [S, 1]
+    logprobs = ((jnp.take_along_axis(base, token_ids[:, None], -1) - zmax) - log_z)[:, 0]
     if max_logprobs > 0:
-        top_vals, top_ids = jax.lax.top_k(logits, max_logprobs)  # same order as the logprobs
+        top_vals, top_ids = jax.lax.top_k(base, max_logprobs)  # same order as the logprobs
         top_logprobs = (top_vals - zmax) - log_z
     else:
         top_logprobs = jnp.zeros((S, 0), jnp.float32)

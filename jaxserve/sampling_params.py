@@ -9,6 +9,10 @@ suppresses EOS and stop tokens until that many tokens exist.
 stops a request (EOS or a stop token id) is not part of the output text unless
 `include_stop_str_in_output`; its id stays in `token_ids` (vLLM).
 
+`logit_bias` (OpenAI) adds a bias in [-100, 100] to the logits of up to 300
+token ids before penalties and filtering (vLLM's order); a dict, stored as
+sorted (id, bias) pairs.
+
 The rules live in `jaxserve.validation` (the one validator); construction
 runs the model-free ones, `LLMEngine.add_request` the model-dependent ones.
 """
@@ -19,7 +23,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.validation import MAX_N, MAX_STOP_TOKEN_IDS, validate_sampling_params
+from jaxserve.validation import (MAX_N, MAX_STOP_TOKEN_IDS, normalize_logit_bias,
+                                 validate_sampling_params)
 
 __all__ = ["MAX_N", "MAX_STOP_TOKEN_IDS", "SamplingParams"]
 
@@ -50,6 +55,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # a {token id: bias} dict is accepted
 
     def __post_init__(self):
         # Normalise list inputs to tuples (the dataclass is frozen and hashable).
@@ -57,6 +63,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "logit_bias", normalize_logit_bias(self.logit_bias))
         validate_sampling_params(self)
 
     @property

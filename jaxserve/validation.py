@@ -38,6 +38,10 @@ MAX_STOP_TOKEN_IDS = 16
 # the longest one on every token.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# OpenAI's logit_bias: at most 300 token ids, each biased by a value in [-100, 100]. The
+# sampler takes them as a fixed [S, 300] array pair (no compile per request).
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0
 # Longest repr of a bad value quoted in an error message.
 _MAX_QUOTE = 60
 
@@ -72,18 +76,22 @@ class Limits:
       vocab_size: V; token ids must lie in [0, V).
       max_model_len: positions of one request (prompt + output).
       max_logprobs: most top-logprobs one request may ask for.
+      scheduling_policy: "fcfs" or "priority" (a non-zero priority needs "priority").
     """
 
     vocab_size: int
     max_model_len: int
     max_logprobs: int = 20
+    scheduling_policy: str = "fcfs"
 
     @classmethod
     def from_config(cls, config: Any) -> "Limits":
-        """From an `EngineConfig` (model.vocab_size, scheduler.max_model_len, max_logprobs)."""
+        """From an `EngineConfig` (model.vocab_size, scheduler.max_model_len and .policy,
+        max_logprobs)."""
         return cls(vocab_size=int(config.model.vocab_size),
                    max_model_len=int(config.scheduler.max_model_len),
-                   max_logprobs=int(getattr(config, "max_logprobs", 20)))
+                   max_logprobs=int(getattr(config, "max_logprobs", 20)),
+                   scheduling_policy=str(getattr(config.scheduler, "policy", "fcfs")))
 
 
 class Rule(Protocol):
@@ -237,6 +245,60 @@ class Check:
             raise ValidationError(self.field, bad[0], bad[1])
 
 
+def normalize_logit_bias(raw: Any) -> tuple[tuple[Any, Any], ...]:
+    """`logit_bias` as sorted (token id, bias) pairs: from a dict (OpenAI's JSON has string
+    keys, "50256") or from pairs. Values are left for the `LogitBias` rule.
+
+    Raises:
+      ValidationError: not a dict or pairs, a key that is not an integer, or an id twice.
+    """
+    if raw is None:
+        return ()
+    if isinstance(raw, dict):
+        items = list(raw.items())
+    elif isinstance(raw, (list, tuple)) and all(
+            isinstance(x, (list, tuple)) and len(x) == 2 for x in raw):
+        items = [tuple(x) for x in raw]
+    else:
+        raise ValidationError("logit_bias", raw, "must map token ids to biases")
+    out: dict[int, Any] = {}
+    for k, v in items:
+        tid = k
+        if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+            tid = int(k)
+        if not is_int(tid):
+            raise ValidationError(f"logit_bias[{k!r}]", k, "each key must be a token id "
+                                  "(an integer)")
+        if int(tid) in out:
+            raise ValidationError(f"logit_bias[{k!r}]", k, f"token id {int(tid)} is given twice")
+        out[int(tid)] = v
+    return tuple(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    """(token id, bias) pairs: at most MAX_LOGIT_BIAS, ids in [0, vocab_size), biases
+    in [-100, 100] (OpenAI's limits)."""
+
+    field: str = "logit_bias"
+
+    def check(self, obj: Any, limits: Limits | None) -> None:
+        pairs = getattr(obj, self.field)
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise ValidationError(self.field, pairs, shown=f"<{len(pairs)} entries>",
+                                  limit=f"at most {MAX_LOGIT_BIAS} entries are supported")
+        hi, name = ((limits.vocab_size, "vocab_size") if limits is not None
+                    else (INT32_MAX + 1, "2**31"))
+        L = LOGIT_BIAS_LIMIT
+        for tid, bias in pairs:
+            if not 0 <= tid < hi:
+                raise ValidationError(f"{self.field}[{tid}]", tid,
+                                      f"the key must be a token id in [0, {name}={hi})")
+            if not is_num(bias) or not math.isfinite(bias) or not -L <= bias <= L:
+                raise ValidationError(f"{self.field}[{tid}]", bias,
+                                      f"the bias must be a number in [{-L:g}, {L:g}]")
+
+
 def check_token_ids(field: str, ids: Sequence[Any], limits: Limits | None) -> None:
     """Each id is an int in [0, vocab_size) (or [0, int32) without limits).
 
@@ -291,8 +353,25 @@ SAMPLING_RULES: tuple[Rule, ...] = (
     Range("logprobs", int, 0, nullable=True, model_hi=_logprobs_hi),
     Flag("include_stop_str_in_output"),
     Flag("skip_special_tokens"),
+    LogitBias("logit_bias"),
     Check("min_tokens", _min_le_max),
     Check("seed", _seed_room),
+)
+
+
+def _priority_enabled(r: Any, lim: Limits | None):
+    # vLLM rejects a non-zero priority unless the scheduler runs the priority policy.
+    if lim is not None and r.priority != 0 and lim.scheduling_policy != "priority":
+        return r.priority, (f"must be 0 unless the engine runs scheduling_policy='priority' "
+                            f"(it runs {lim.scheduling_policy!r})")
+    return None
+
+
+# `priority` of a request (an HTTP body or `LLMEngine.add_request`): lower runs first; any
+# Python int orders the heap, but vLLM's field is an int64.
+PRIORITY_RULES: tuple[Rule, ...] = (
+    Range("priority", int, -(2**63), 2**63 - 1, note="lower runs first under the priority policy"),
+    Check("priority", _priority_enabled),
 )
 
 
@@ -323,6 +402,20 @@ def validate_sampling_params(params: Any, limits: Limits | None = None) -> Any:
     if limits is not None and params.top_k >= limits.vocab_size:
         params = dataclasses.replace(params, top_k=0)
     return params
+
+
+@dataclass(frozen=True)
+class _Priority:
+    priority: Any
+
+
+def validate_priority(priority: Any, limits: Limits | None = None) -> None:
+    """A request's `priority`: an int64, and 0 unless `limits.scheduling_policy == "priority"`.
+
+    Raises:
+      ValidationError: naming `priority`, the value and the policy.
+    """
+    run_rules(_Priority(priority), PRIORITY_RULES, limits)
 
 
 def validate_prompt(ids: Sequence[Any], limits: Limits, *, field: str = "prompt") -> None:

@@ -138,12 +138,14 @@ ENGINE_PROMPT_LENS, ENGINE_MAX_TOKENS = (13, 19, 6), 10
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check.golden.json")
 
 
-def engine_model(seed: int = 2, std: float = 0.5):
+def engine_model(seed: int = 7, std: float = 0.3):
     """(ModelConfig, canonical fp32 params) of the engine check; norms 1, the rest N(0, std).
 
     Seed and std chosen (of 16 tried) for a wide greedy margin: the smallest top-1 -
-    top-2 logit gap along the golden tokens is `min_logit_margin` in the golden file,
-    far above fp32 rounding differences between machines.
+    top-2 logit gap along the golden tokens is `min_logit_margin` in the golden file
+    (0.057), far above fp32 rounding differences between machines. std 0.3, not
+    larger: at 0.5 the Mosaic kernel's bf16x3 fp32 products move logits by 3e-4,
+    past tests/test_engine_pallas.py's 1e-4.
     """
     from jaxserve.config import ModelConfig
     from jaxserve.model.llama import param_shapes

@@ -72,7 +72,8 @@ def tiny_engine(**engine_args):
     if key not in _ENGINES:
         cfg, params = tiny_params()
         args = dict(max_model_len=256, block_size=4, num_kv_blocks=256, max_num_seqs=8,
-                    max_num_batched_tokens=64, attention_backend="xla")
+                    max_num_batched_tokens=64, attention_backend="xla",
+                    strict_compiles=True)  # a step without a warm-up program is a bug: refuse
         args.update(engine_args)
         config = make_engine_config(cfg, **args)
         _ENGINES[key] = LLMEngine(config, params, tiny_tokenizer(), model_name="tiny",

@@ -388,7 +388,7 @@ def test_stop_string_completed_by_the_last_allowed_token_reports_stop():
     assert out.text == base[: len(base) - len(stop)]
 
 
-def test_engine_step_failure_fails_requests_and_engine_recovers(monkeypatch):
+def test_engine_step_failure_is_retried_on_a_rebuilt_cache(monkeypatch):
     engine = tiny_engine()
     runner = engine.runner
     real_execute = runner.execute
@@ -404,14 +404,13 @@ def test_engine_step_failure_fails_requests_and_engine_recovers(monkeypatch):
 
     monkeypatch.setattr(runner, "execute", failing)
     done = run_all(engine, [("x", P, greedy(8)), ("y", prompt_of(9), greedy(8))])
-    for rid in ("x", "y"):
-        o = done[rid].outputs[0]
-        assert o.finish_reason == "error" and "injected device failure" in o.error
+    # The one failure is retried (issue 13): both are recomputed on the rebuilt cache and
+    # finish with the tokens of an undisturbed run.
+    assert done["x"].outputs[0].token_ids == cached_reference(tuple(P), 8)
+    assert done["y"].outputs[0].token_ids == cached_reference(tuple(prompt_of(9)), 8)
+    assert engine.get_stats()["num_failed_steps"] == 1
     assert not any(a.is_deleted() for a in runner.kv_cache)  # reset() rebuilt the lost cache
     assert_idle_and_clean(engine)
-    monkeypatch.setattr(runner, "execute", real_execute)
-    again = run_all(engine, [("z", P, greedy(8))])["z"].outputs[0]
-    assert again.token_ids == cached_reference(tuple(P), 8)
 
 
 def test_child_ids_logprobs_limit_and_prompt_types():

@@ -146,26 +146,29 @@ def test_failing_row_fails_alone_and_batch_mates_keep_their_tokens():
 
 
 @pytest.mark.parametrize("kv_lost", [False, True])
-def test_step_failure_fails_its_rows_and_resets_the_runner(kv_lost):
+def test_step_failure_retries_its_rows_once_then_fails_them(kv_lost):
     eng = fake(max_num_seqs=2, fail_step=lambda req: req.request_id == "boom",
                kv_lost_on_reset=kv_lost)
     eng.add_request("other", "abc", SamplingParams(max_tokens=40, temperature=0))
     eng.step()  # "other" runs alone first
     eng.add_request("boom", "hi", SamplingParams(max_tokens=3, temperature=0))
     eng.add_request("waiting", "q", SamplingParams(max_tokens=3, temperature=0))  # no seat yet
+    # First failure: the plan's rows are preempted by recompute, to be retried; nobody ends.
+    assert not any(o.finished for o in eng.step())
+    assert eng.runner.num_resets == 1 and eng.get_stats()["num_failed_steps"] == 1
+    assert eng.scheduler.kv_cache_manager.num_cached_blocks == 0  # prefix cache forgotten
+    assert {r.request_id for r in eng.scheduler.running} == set()
+    # The retry holds the same two rows and fails again: now they fail.
     outs = {o.request_id: o for o in eng.step()}
     assert outs["boom"].outputs[0].finish_reason == "error"
     assert "scripted step failure caused by boom" in outs["boom"].outputs[0].error
     assert outs["other"].outputs[0].finish_reason == "error"
-    # Rows outside the failed plan survive, unless the KV cache was lost with it.
-    assert ("waiting" in outs) == kv_lost
-    assert eng.runner.num_resets == 1 and eng.get_stats()["num_failed_steps"] == 1
-    assert eng.scheduler.kv_cache_manager.num_cached_blocks == 0  # prefix cache forgotten
+    assert "waiting" not in outs  # never in a failed plan, and it held no KV to lose
+    assert eng.runner.num_resets == 2 and eng.get_stats()["num_failed_steps"] == 2
     rest = {}
     while eng.has_unfinished_requests():
         rest.update({o.request_id: o for o in eng.step() if o.finished})
-    if not kv_lost:
-        assert rest["waiting"].outputs[0].text == "rst"  # counts on from 'q' (20)
+    assert rest["waiting"].outputs[0].text == "rst"  # counts on from 'q' (20)
     assert free_all(eng)
     again = run(eng, "z", prompt="abc", max_tokens=2, temperature=0)[-1].outputs[0]
     assert again.token_ids == [7, 8]

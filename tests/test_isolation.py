@@ -82,8 +82,6 @@ def test_scripted_row_error_fails_that_request_alone():
     assert done["a"].text == "defgh" and done["b"].text == "zABCD"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: retry-once of a failed step's surviving "
-                   "requests is not in LLMEngine.step yet (arch-engine's engine core)")
 def test_whole_step_failure_retries_the_survivors_once():
     failures = {"n": 0}
 
@@ -100,3 +98,22 @@ def test_whole_step_failure_retries_the_survivors_once():
     done = _drain(eng, ["a", "b"])
     assert failures["n"] == 1
     assert done["a"].text == done["b"].text == "defgh"  # retried, then finished normally
+
+
+def test_a_step_that_fails_again_fails_its_requests_and_frees_every_block():
+    calls = {"n": 0}
+
+    def always(req) -> bool:  # every step holding "a" fails: the retry fails too
+        calls["n"] += 1
+        return req.request_id == "a"
+
+    eng = _fake_engine(fail_step=always)
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    eng.add_request("a", "abc", sp)
+    eng.add_request("b", "xy", sp)
+    done = _drain(eng, ["a", "b"])
+    # Both rows shared the failing step twice (first try, then the one retry): both fail.
+    assert done["a"].finish_reason == done["b"].finish_reason == "error"
+    assert eng.get_stats()["num_failed_steps"] == 2
+    kv = eng.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks

@@ -11,33 +11,39 @@ import textwrap
 from pathlib import Path
 
 from conftest import tiny_engine
+from jaxserve.scheduler.scheduler import MAX_STEP_RETRIES
 from test_engine import assert_idle_and_clean, cached_reference, greedy, prompt_of, run_all
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_late_compile_is_counted_and_strict_mode_refuses():
-    # One bucket shape, (16, 4), so dropping its program forces the next step to compile.
+    # One token bucket and one seq bucket: 2 programs (a stack for T=16, a head for S=4), so
+    # dropping the head forces the next step to compile it late. The suite runs strict
+    # (conftest's tiny_engine sets strict_compiles=True), so the engine refuses by default.
     engine = tiny_engine(max_num_batched_tokens=16, max_num_seqs=4, token_buckets=(16,),
                          seq_buckets=(4,))
     runner = engine.runner
-    assert runner.stats().warmup_programs == 1 and sorted(runner._programs) == [(16, 4)]
+    assert engine.config.strict_compiles and runner.strict_compiles
+    assert runner.stats().warmup_programs == 2
+    assert sorted(runner._programs) == [("head", 4), ("stack", 16)]
     P = prompt_of(9, salt=50)
     late0 = runner.stats().late_compiles
-    runner._programs.clear()
-    out = run_all(engine, [("late", P, greedy(3))])["late"].outputs[0]
-    assert out.token_ids == cached_reference(tuple(P), 3)  # compiled late, still correct
-    assert runner.stats().late_compiles == late0 + 1
-    assert engine.get_stats()["num_compiles_after_warmup"] == late0 + 1
-    runner._programs.clear()
-    runner.strict_compiles = True
+    del runner._programs[("head", 4)]
+    out = run_all(engine, [("strict", P, greedy(3))])["strict"].outputs[0]
+    assert out.finish_reason == "error" and "strict_compiles" in out.error
+    assert "no head program for bucket 4" in out.error
+    refused = 1 + MAX_STEP_RETRIES  # the failed step's row is retried, refused each time
+    assert runner.stats().late_compiles == late0 + refused
+    assert engine.get_stats()["num_compiles_after_warmup"] == late0 + refused
+    runner.strict_compiles = False
     try:
-        out = run_all(engine, [("strict", P, greedy(3))])["strict"].outputs[0]
+        out = run_all(engine, [("late", P, greedy(3))])["late"].outputs[0]
     finally:
-        runner.strict_compiles = False
-        runner.warmup(progress=False)  # rebuild the dropped program for later users
-    assert out.finish_reason == "error" and "strict_compiles" in out.error and "(16, 4)" in out.error
-    assert runner.stats().late_compiles == late0 + 2
+        runner.strict_compiles = True
+    assert out.token_ids == cached_reference(tuple(P), 3)  # compiled late, still correct
+    assert runner.stats().late_compiles == late0 + refused + 1
+    assert sorted(runner._programs) == [("head", 4), ("stack", 16)]  # the late one is kept
     assert_idle_and_clean(engine)
 
 
@@ -68,5 +74,6 @@ def test_compile_count_tells_built_from_loaded(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = [json.loads(ln) for ln in proc.stdout.strip().splitlines()[-2:]]
-    assert first == [2, 2, 0]   # an empty cache: both programs built by XLA
-    assert second == [2, 0, 2]  # the same programs again: both loaded from the cache
+    # Two token buckets + one seq bucket = 3 programs: 2 stacks + 1 head.
+    assert first == [3, 3, 0]   # an empty cache: all built by XLA
+    assert second == [3, 0, 3]  # the same programs again: all loaded from the cache

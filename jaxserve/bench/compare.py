@@ -251,11 +251,17 @@ def drive(srv: Running, case: Case, args: argparse.Namespace) -> dict[str, Any]:
     load_after = uptime()
     rss = parse_proc_status(Path(f"/proc/{srv.proc.pid}/status").read_text())
     srv.runs += 1
-    kv = parse_kv_log(srv.log_path.read_text(errors="replace"), srv.engine) or {}
+    kv = parse_kv_log(srv.log_path.read_text(errors="replace"), srv.engine)
+    if kv is None and srv.engine == "llama.cpp":
+        # llama-server at its default verbosity does not print llama_kv_cache's size line;
+        # with -kvu it allocates exactly n_ctx = -c cells (the log's "n_ctx_slot" is per slot).
+        kv = {"tokens": args.kv_plan.llama_ctx, "source": "computed from -c",
+              "mib": args.kv_plan.llama_ctx * args.kv_bytes_per_token / 2**20}
+    kv = kv or {}
     rec = {"case": case.key, "engine": srv.engine, "tok_s": s["output_throughput"],
            "ttft_mean_s": s["ttft_ms"]["mean"] / 1e3, "peak_rss_mib": rss.get("VmHWM"),
            "rss_after_mib": rss.get("VmRSS"), "kv_tokens": kv.get("tokens"), "kv_mib": kv.get("mib"),
-           "completed": s["completed"], "failed": s["failed"], "output_tokens": s["total_output_tokens"],
+           "kv_source": kv.get("source", "server log"), "completed": s["completed"], "failed": s["failed"], "output_tokens": s["total_output_tokens"],
            "expected_tokens": s["expected_output_tokens"], "duration_s": s["duration_s"],
            "start_s": srv.start_s, "runs_on_server": srv.runs, "uptime_before": load_before,
            "uptime_after": load_after, "errors": s["errors"], "command": shlex.join(srv.cmd),
@@ -419,6 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool = jaxserve_pool_tokens(a.kv_cache_mib, a.block_size,
                                 kv_bytes_per_token(layers, kv_heads, head_dim))
     plan = plan_kv(pool, a.block_size)
+    a.kv_plan, a.kv_bytes_per_token = plan, kv_bytes_per_token(layers, kv_heads, head_dim)
     print(f"KV: jaxserve's {a.kv_cache_mib} MiB pool holds {pool} tokens; both engines get "
           f"{plan.tokens} (llama.cpp -c {plan.llama_ctx} -kvu, jaxserve --num_kv_blocks "
           f"{plan.jaxserve_num_kv_blocks}); out: {a.out_dir}", flush=True)

@@ -18,8 +18,8 @@ Optional layer leaves, present only for the families that have them:
   bq [L,H*D], bk [L,K*D], bv [L,K*D] (cfg.attention_bias); q_norm [L,D], k_norm [L,D]
   (cfg.qk_norm).
 Loaders and the params cache produce it as NumPy; `prepare_params` is the one
-transform into the engine layout (dtype, unstacked layers, later fusion and
-sharding). The forward functions are pure functions of either layout: with
+transform into the engine layout (dtype, unstacked layers, optionally fused
+projections; later sharding). The forward functions are pure functions of either layout: with
 stacked layers they run under `jax.lax.scan` (compile time flat in depth),
 with unstacked ones as an unrolled loop.
 """
@@ -119,11 +119,31 @@ def canonical_params(params: "Llama | nnx.State | Mapping[str, object]") -> dict
     return dict(params)
 
 
+def fuse_projections(cfg: ModelConfig, lp: Mapping[str, object]) -> dict[str, object]:
+    """One layer's (or the stacked layers') weights with the projections that read the
+    same input fused along the output axis: wq|wk|wv -> wqkv [.., E, (H+2K)*D] (and
+    bq|bk|bv -> bqkv [.., (H+2K)*D] with cfg.attention_bias), w_gate|w_up -> w_gate_up
+    [.., E, 2F]: two matmuls instead of five per layer (the usual fused-QKV / fused
+    gate-up layout of vLLM and llama.cpp). On XLA:CPU it measured slower for SmolLM2
+    (notes/perf.md), so `prepare_params` applies it only with fuse=True.
+    NumPy in -> NumPy out (one host copy), jax in -> jax out.
+    """
+    lp = dict(lp)
+    arrays = [lp[k] for k in ("wq", "wk", "wv", "w_gate", "w_up")]
+    cat = np.concatenate if not any(isinstance(a, jax.Array) for a in arrays) else jnp.concatenate
+    lp["wqkv"] = cat([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=-1)
+    if cfg.attention_bias:
+        lp["bqkv"] = cat([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
+    lp["w_gate_up"] = cat([lp.pop("w_gate"), lp.pop("w_up")], axis=-1)
+    return lp
+
+
 def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, object]", *,
-                   unroll_layers: bool) -> Params:
+                   unroll_layers: bool, fuse: bool = False) -> Params:
     """The one transform from the canonical tree to the engine layout, on the device.
 
-    Validates (`validate_params`), casts every leaf to cfg.dtype and, with
+    Validates (`validate_params`), casts every leaf to cfg.dtype, with `fuse`
+    concatenates the q/k/v and gate/up projections (`fuse_projections`) and, with
     `unroll_layers`, splits the stacked layers into a list of L per-layer dicts:
     `run_layers` then unrolls the layers and every matmul reads its own weight
     buffer, instead of the scan's per-layer dynamic-slice copy (notes/perf.md).
@@ -135,6 +155,9 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
       cfg: the model config (shapes and dtype).
       params: a `Llama` module, its `nnx.State`, or the canonical tree (NumPy or jax).
       unroll_layers: per-layer weight buffers (True) or the stacked [L] leaves.
+      fuse: fused q/k/v and gate/up projections. Off by default: three same-process
+        A/Bs on SmolLM2 (notes/perf.md, 2026-12-01) measured the fused step 3-20%
+        slower on XLA:CPU; kept so `scripts/profile_step.py fwd` can re-measure it.
 
     Returns:
       The engine-layout tree of device arrays in cfg.dtype.
@@ -147,11 +170,12 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
     dt = jnp.dtype(cfg.dtype)
     out = {k: _cast(v, dt) for k, v in tree.items() if k != "layers"}
     layers = tree["layers"]
+    layout = functools.partial(fuse_projections, cfg) if fuse else dict
     if unroll_layers:
-        out["layers"] = [{k: _cast(w[i], dt) for k, w in layers.items()}
+        out["layers"] = [layout({k: _cast(w[i], dt) for k, w in layers.items()})
                          for i in range(cfg.num_hidden_layers)]
     else:
-        out["layers"] = {k: _cast(w, dt) for k, w in layers.items()}
+        out["layers"] = layout({k: _cast(w, dt) for k, w in layers.items()})
     return jax.device_put(out)
 
 
@@ -211,9 +235,15 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     T = x.shape[0]
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-    if cfg.attention_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    if "wqkv" in lp:  # engine layout (`fuse_projections`): one matmul, then split
+        qkv = h @ lp["wqkv"]
+        if cfg.attention_bias:
+            qkv = qkv + lp["bqkv"]
+        q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=-1)
+    else:  # the canonical keys: the reference path and the default engine layout
+        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+        if cfg.attention_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
@@ -223,7 +253,11 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     o, attn_carry = attn_fn(q, k, v, attn_carry, layer)  # [T, H, D]
     x = x + o.reshape(T, H * D) @ lp["wo"]
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    if "w_gate_up" in lp:
+        gate, up = jnp.split(h @ lp["w_gate_up"], 2, axis=-1)
+    else:
+        gate, up = h @ lp["w_gate"], h @ lp["w_up"]
+    x = x + (jax.nn.silu(gate) * up) @ lp["w_down"]
     return x, attn_carry
 
 

@@ -202,7 +202,8 @@ def ragged_paged_attention_mosaic(q, k_cache, v_cache, layer, block_table, tile_
                          f"{k_cache.dtype} v_cache={v_cache.shape} {v_cache.dtype}")
     if block_table.shape[1] % tiles.pages_per_chunk:
         raise ValueError(f"block_table width={block_table.shape[1]} must be a multiple of "
-                         f"pages_per_chunk={tiles.pages_per_chunk} (see pallas_mosaic.mosaic_metadata)")
+                         f"pages_per_chunk={tiles.pages_per_chunk} (see "
+                         f"pallas_mosaic.mosaic_metadata)")
     g = h // kh
     check_tiles(tiles, num_queries_per_kv=g, block_size=bs, head_dim=d, dtype=q.dtype)
     gp, bq, nt = next_pow2(g), tiles.block_q, tile_seq.shape[0]

@@ -128,6 +128,16 @@ class BucketPolicy:
             sb = pow2_buckets(cfg.max_num_seqs, min(cfg.min_seq_bucket, cfg.max_num_seqs))
         return cls(tb, sb)
 
+    def check_limits(self, cfg: SchedulerConfig) -> None:
+        """Raise ValueError unless the largest token bucket equals
+        max_num_batched_tokens and the largest seq bucket is >= max_num_seqs."""
+        if self.token_buckets[-1] != cfg.max_num_batched_tokens:
+            raise ValueError(f"largest token bucket {self.token_buckets[-1]} must equal "
+                             f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
+        if self.seq_buckets[-1] < cfg.max_num_seqs:
+            raise ValueError(f"largest seq bucket {self.seq_buckets[-1]} must be >= "
+                             f"max_num_seqs={cfg.max_num_seqs}")
+
     @property
     def max_num_seqs(self) -> int:
         return self.seq_buckets[-1]
@@ -177,6 +187,19 @@ class BucketPolicy:
                     shapes.append((t, s))
                 prev = s
         return shapes
+
+    def program_keys(self) -> list[tuple[str, int]]:
+        """The runner's warm-up set, per program family: ("stack", T) for every token
+        bucket and ("head", S) for every seq bucket that `pad` can return (T + S programs).
+
+        Exactly the projections of `all_shapes()`: every token bucket is reachable
+        (one sequence of t tokens), and seq bucket S_j iff S_{j-1} + 1 <= the
+        largest token bucket.
+        """
+        shapes = self.all_shapes()
+        stacks = sorted({t for t, _ in shapes})
+        heads = sorted({s for _, s in shapes})
+        return [("stack", t) for t in stacks] + [("head", s) for s in heads]
 
     # ------------------------------------------------------------ counters
     def record(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:

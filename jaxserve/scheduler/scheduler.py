@@ -36,6 +36,8 @@ from jaxserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from jaxserve.scheduler.request_queue import FCFSQueue, PriorityQueue
 
 _RUNNING = RequestStatus.RUNNING
+# A request whose step fails as a whole is recomputed this many times before it fails.
+MAX_STEP_RETRIES = 1
 
 
 class Scheduler:
@@ -70,12 +72,7 @@ class Scheduler:
             cache_config.num_kv_blocks, cache_config.block_size,
             enable_prefix_caching=cache_config.enable_prefix_caching)
         policy = bucket_policy or BucketPolicy.from_config(scheduler_config)
-        if policy.token_buckets[-1] != scheduler_config.max_num_batched_tokens:
-            raise ValueError(f"largest token bucket {policy.token_buckets[-1]} must equal "
-                             f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens}")
-        if policy.seq_buckets[-1] < scheduler_config.max_num_seqs:
-            raise ValueError(f"largest seq bucket {policy.seq_buckets[-1]} must be >= "
-                             f"max_num_seqs={scheduler_config.max_num_seqs}")
+        policy.check_limits(scheduler_config)
         self.bucket_policy = policy
         self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
         self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FCFSQueue()
@@ -465,16 +462,24 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_STOPPED
 
     def fail_step(self, out: SchedulerOutput, *, kv_lost: bool) -> list[str]:
-        """After a plan's execution raised: its rows' requests (every live one when
-        `kv_lost`) finish FINISHED_ERROR and the prefix cache is forgotten (its blocks
-        may hold garbage now). Returns the request ids failed."""
-        rows = (sr.request_id for sr in out.scheduled)
-        ids = list(self.requests) if kv_lost else [r for r in rows if r in self.requests]
-        self.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        """After a plan's execution raised: its rows are preempted by recompute, to be
+        retried (a row already retried MAX_STEP_RETRIES times finishes FINISHED_ERROR);
+        with `kv_lost` every running request is preempted too, uncounted. The prefix
+        cache is forgotten (its blocks may hold garbage). Returns the ids failed."""
+        rows = {sr.request_id for sr in out.scheduled}
+        failed = [r for r in rows if r in self.requests
+                  and self.requests[r].num_step_retries >= MAX_STEP_RETRIES]
+        self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        for rid in (list(self.requests) if kv_lost else [r for r in rows if r in self.requests]):
+            req = self.requests[rid]
+            req.num_step_retries += rid in rows
+            if req.status == _RUNNING:
+                self.running.remove(req)
+                self._preempt(req)
         if self._pending_out is out:
             self._pending_out = None
         self.kv_cache_manager.reset_prefix_cache()
-        return ids
+        return failed
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in any state (waiting, running, mid-chunk, preempted).

@@ -1,7 +1,7 @@
 """`jaxserve serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, GET /metrics. Every error is OpenAI's
+POST /tokenize, POST /detokenize (vLLM's), GET /health, GET /metrics. Every error is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`: FastAPI's 422 validation
 errors and malformed JSON become 400 naming the field, unknown routes 404,
 a missing/wrong bearer key 401 (only /v1/* is protected), warming up or
@@ -30,8 +30,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.metrics import ServerMetrics, token_bucket_stats
-from jaxserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                      DetokenizeRequest, TokenizeRequest)
 from jaxserve.server.serving import OpenAIServing
+from jaxserve.server.serving_tokens import TokenizationServing
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -46,6 +48,8 @@ def _validation_to_api_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "invalid request body")
     err = errors[0]
     raw_loc = [x for x in err.get("loc", ()) if x != "body"]
+    if raw_loc and raw_loc[0] in _BODY_TAGS:  # /tokenize's body shape, not a field
+        raw_loc = raw_loc[1:]
     got = err.get("input")
     got_s = repr(got) if len(repr(got)) < 80 else repr(got)[:77] + "..."
     if err.get("type") == "json_invalid" or not raw_loc:
@@ -58,6 +62,8 @@ def _validation_to_api_error(exc: RequestValidationError) -> APIError:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+# The tags of /tokenize's two body shapes (protocol.TokenizeRequest).
+_BODY_TAGS = {"completion", "chat"}
 
 
 def format_startup_banner(engine: Any, *, host: str, port: int, model_name: str,
@@ -205,6 +211,17 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
+
+    tokens = TokenizationServing(serving)
+
+    # Outside /v1, so not behind the API key: vLLM's key also guards /v1/* only.
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Response:
+        return tokens.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Response:
+        return tokens.detokenize(req)
 
     return app
 

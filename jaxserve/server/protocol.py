@@ -3,7 +3,10 @@
 The models follow the OpenAI REST reference for `/v1/completions` and
 `/v1/chat/completions`, plus vLLM's non-OpenAI sampling fields (top_k, min_p,
 min_tokens, ignore_eos, repetition_penalty, stop_token_ids,
-include_stop_str_in_output, priority) accepted in the same body. Models are
+include_stop_str_in_output, priority) accepted in the same body, and OpenAI's
+`logit_bias` ({"token id": bias}, checked by `jaxserve.validation.LogitBias`).
+vLLM's /tokenize and /detokenize bodies are here too (`TokenizeRequest`,
+`DetokenizeRequest`). Models are
 `strict`: a JSON value of the wrong type (a string for `max_tokens`, `true` for
 a token id) is a 400, never silently coerced. Unknown fields are ignored, as in
 OpenAI's API.
@@ -17,12 +20,13 @@ for one output token (prompt_tokens >= max_model_len) is a 400 from the engine.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.validation import Limits, Range, ValidationError, run_rules, validate_sampling_params
+from jaxserve.validation import (PRIORITY_RULES, Limits, TokenIds, ValidationError, run_rules,
+                                 validate_sampling_params)
 
 # Most choices (prompts x n) one HTTP request may ask for: a bound on the
 # work one body can enqueue, so a single request cannot flood the scheduler.
@@ -140,6 +144,48 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
+class TokenizeCompletionRequest(_Strict):
+    """Body of POST /tokenize with a text prompt (vLLM's TokenizeCompletionRequest)."""
+
+    model: str | None = None
+    prompt: str
+    # vLLM: text prompts get the tokenizer's special tokens (BOS) by default.
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Strict):
+    """Body of POST /tokenize with chat messages (vLLM's TokenizeChatRequest).
+
+    The template is rendered as for /v1/chat/completions; `add_special_tokens`
+    defaults to False because the template already writes BOS (vLLM).
+    """
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+def _tokenize_kind(body: Any) -> str:
+    # A body with "messages" is the chat form (vLLM's union has the same two shapes).
+    return "chat" if isinstance(body, dict) and "messages" in body else "completion"
+
+
+TokenizeRequest = Annotated[Union[Annotated[TokenizeCompletionRequest, Tag("completion")],
+                                  Annotated[TokenizeChatRequest, Tag("chat")]],
+                            Discriminator(_tokenize_kind)]
+
+
+class DetokenizeRequest(_Strict):
+    """Body of POST /detokenize (vLLM's DetokenizeRequest); answered as {"prompt": text}."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def normalize_prompts(prompt: Any) -> list[str | list[int]]:
     """Split a completions `prompt` into one entry per engine request.
 
@@ -165,7 +211,7 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
     return prompts
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, str]]:
     """Messages as plain `{"role", "content"}` dicts for `apply_chat_template`.
 
     Text parts of a list-valued content are concatenated.
@@ -188,10 +234,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 
 # Body fields that are not SamplingParams fields, checked by the same validator.
-# (issue 17 adds logit_bias / response_format rules here.)
-BODY_RULES = (
-    Range("priority", int, -(2**63), 2**63 - 1, note="lower runs first under the priority policy"),
-)
+BODY_RULES = PRIORITY_RULES
+
+
+# Most ids one /detokenize body may carry: a bound on the work of one request.
+MAX_DETOKENIZE_TOKENS = 1 << 20
+DETOKENIZE_RULES = (TokenIds("tokens", MAX_DETOKENIZE_TOKENS),)
 
 
 def validation_error(e: ValidationError, *, rename: dict[str, str] | None = None) -> APIError:
@@ -203,20 +251,24 @@ def validation_error(e: ValidationError, *, rename: dict[str, str] | None = None
     return APIError(400, msg, param=param)
 
 
-def _check_common(req: _SamplingFields, served_model_names: list[str]) -> None:
-    if req.model is not None and req.model not in served_model_names:
-        raise APIError(400, f"model={req.model!r} does not exist; this server serves "
+def check_model(model: str | None, served_model_names: list[str]) -> None:
+    """Raises APIError(400, param="model", code="model_not_found") for a name not served."""
+    if model is not None and model not in served_model_names:
+        raise APIError(400, f"model={model!r} does not exist; this server serves "
                        f"{served_model_names}", param="model", code="model_not_found")
+
+
+def _check_common(req: _SamplingFields, served_model_names: list[str],
+                  limits: Limits | None) -> None:
+    check_model(req.model, served_model_names)
     if req.stream_options is not None and not req.stream:
         # OpenAI and vLLM: stream_options only make sense for a streamed response.
         raise APIError(400, "stream_options is only allowed when stream is true",
                        param="stream_options")
     try:
-        run_rules(req, BODY_RULES)
+        run_rules(req, BODY_RULES, limits)
     except ValidationError as e:
         raise validation_error(e) from e
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
 
 def _build_params(req: _SamplingFields, *, max_tokens: int | None, max_tokens_field: str,
@@ -231,7 +283,7 @@ def _build_params(req: _SamplingFields, *, max_tokens: int | None, max_tokens_fi
             frequency_penalty=req.frequency_penalty, seed=req.seed, stop=tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias)
         return validate_sampling_params(params, limits)
     except ValidationError as e:
         raise validation_error(e, rename={"max_tokens": max_tokens_field}) from e
@@ -247,7 +299,7 @@ def completion_params(req: CompletionRequest, *, served_model_names: list[str],
     Raises:
       APIError(400): naming the bad field (model, n, max_tokens, logprobs, echo, ...).
     """
-    _check_common(req, served_model_names)
+    _check_common(req, served_model_names, limits)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, f"best_of={req.best_of} is not supported (only best_of == n)",
                        param="best_of")
@@ -272,7 +324,7 @@ def chat_params(req: ChatCompletionRequest, *, served_model_names: list[str],
     Raises:
       APIError(400): naming the bad field.
     """
-    _check_common(req, served_model_names)
+    _check_common(req, served_model_names, limits)
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
     if req.response_format and req.response_format.get("type", "text") != "text":

@@ -15,7 +15,7 @@ from jaxserve.model.attention import CommonAttentionMetadata, get_attention_back
 from jaxserve.model.attention.pallas_triton import PallasTritonBackend
 from jaxserve.model.attention.reference import reference_ragged_paged_attention, reference_write_kv
 from jaxserve.model.attention.xla import XlaBackend
-from tests.pallas.cases import random_batch
+from tests.pallas.cases import named_mixes, random_batch
 
 T, S, B, P, N, L = 32, 4, 16, 4, 20, 3
 H, K, D = 6, 2, 8  # the tiny model's heads
@@ -176,10 +176,15 @@ def test_xla_split_kv_decode_many_items_per_row(chunk, mulsum):
     batch = random_batch(np.random.default_rng(3), q_lens=q_lens, seq_lens=seq_lens, num_tokens=8,
                          num_seqs=s_pad, max_blocks_per_seq=p, num_kv_blocks=72, block_size=bs,
                          num_heads=H, num_kv_heads=K, head_dim=D)
-    md = be.prepare(CommonAttentionMetadata(**batch.common_kwargs()))
-    fn = jax.jit(lambda q, kc, vc, md: be.attention(q, kc, vc, md, layer=None, sm_scale=D ** -0.5))
-    out = np.asarray(fn(jnp.asarray(batch.q), jnp.asarray(batch.k_cache),
-                        jnp.asarray(batch.v_cache), jax.tree.map(jnp.asarray, md)))
+    _assert_matches_float64_reference(be, batch)
+
+
+def _assert_matches_float64_reference(be, batch):
+    """be.attention on the (NaN-poisoned) batch: real rows finite and equal to the float64
+    reference, padding rows exactly 0."""
+    md = jax.tree.map(jnp.asarray, be.prepare(CommonAttentionMetadata(**batch.common_kwargs())))
+    out = np.asarray(jax.jit(functools.partial(be.attention, layer=None, sm_scale=D ** -0.5))(
+        jnp.asarray(batch.q), jnp.asarray(batch.k_cache), jnp.asarray(batch.v_cache), md))
     ref = reference_ragged_paged_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens,
         batch.block_table, batch.num_seqs, sm_scale=D ** -0.5)
@@ -187,3 +192,26 @@ def test_xla_split_kv_decode_many_items_per_row(chunk, mulsum):
     assert np.isfinite(out[:n]).all()
     np.testing.assert_allclose(out[:n], ref[:n], atol=1e-5, rtol=1e-5)
     assert np.all(out[n:] == 0.0)
+
+
+def _decode_case(name):
+    """(q_lens, seq_lens, T_pad, S_pad, pages per seq) of the item-bound test's mixes."""
+    if name == "64_rows_long":  # 64 decode rows, ragged contexts up to 1024 keys
+        seq_lens = np.random.default_rng(5).integers(1, 1025, 64).tolist()
+        return [1] * 64, seq_lens, 64, 64, 64
+    q_lens, seq_lens = named_mixes(16, 200)[name]
+    return q_lens, seq_lens, 64, 8, 13
+
+
+@pytest.mark.parametrize("max_items", [1 << 30, 16, 2], ids=["W=S", "W<=16", "W<=2"])
+@pytest.mark.parametrize("case", ["decode_only", "mixed", "64_rows_long"])
+def test_xla_decode_item_bounds_match_float64_reference(max_items, case):
+    # Items per loop iteration equal to and below S_pad: NaN-poisoned pages and padding
+    # rows must not leak, every row's items must merge once (float64 reference).
+    q_lens, seq_lens, t_pad, s_pad, p = _decode_case(case)
+    be = XlaBackend(block_size=16, decode_max_items=max_items)
+    batch = random_batch(np.random.default_rng(7), q_lens=q_lens, seq_lens=seq_lens,
+                         num_tokens=t_pad, num_seqs=s_pad, max_blocks_per_seq=p,
+                         num_kv_blocks=s_pad * p + 1, block_size=16, num_heads=H,
+                         num_kv_heads=K, head_dim=D)
+    _assert_matches_float64_reference(be, batch)

@@ -52,14 +52,14 @@ def _step(seqs, num_tokens=16, num_seqs=4):
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("name", ["xla", "pallas"])
 @pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "scan"])
-@pytest.mark.parametrize("switches", [{}, {"attention_bias": True, "qk_norm": True}],
-                         ids=["llama", "bias+qk_norm"])
-def test_two_steps_match_the_dense_reference(name, unroll, switches):
+@pytest.mark.parametrize("switches,fuse", [({}, False), ({"attention_bias": True, "qk_norm": True}, True)],
+                         ids=["llama", "bias+qk_norm+fused"])
+def test_two_steps_match_the_dense_reference(name, unroll, switches, fuse):
     cfg = ModelConfig.tiny(head_dim=16, **switches)
     model = Llama(cfg, rngs=nnx.Rngs(1), init_std=0.3)
     canon = jax.tree.map(np.asarray, canonical_params(model))
     backend = get_attention_backend(name, cfg, block_size=B, interpret=True)
-    params = prepare_params(cfg, model, unroll_layers=unroll)
+    params = prepare_params(cfg, model, unroll_layers=unroll, fuse=fuse)
     shape = (cfg.num_hidden_layers, N, B, cfg.num_key_value_heads, cfg.head_dim)
     kv = (jnp.zeros(shape), jnp.zeros(shape))
     fwd = jax.jit(lambda p, ids, pos, kv, md, li: forward_paged(cfg, p, ids, pos, kv, md, li,

@@ -36,6 +36,8 @@ def test_family_switches_add_only_their_leaves():
     np.testing.assert_array_equal(state["layers"]["q_norm"], np.ones((L, D)))  # norms start at 1
     out = prepare_params(cfg, state, unroll_layers=True)
     assert out["layers"][1]["bk"].shape == (K * D,)
+    assert prepare_params(cfg, state, unroll_layers=True, fuse=True)["layers"][1]["bqkv"].shape == \
+        ((H + 2 * K) * D,)
     # A tree without the family's leaves (or with leaves the family lacks) names the path.
     with pytest.raises(ValueError, match=r"parameter tree at /layers: keys .* expected .*'bq'"):
         prepare_params(ModelConfig.tiny(attention_bias=True), tiny_params()[1], unroll_layers=True)
@@ -43,20 +45,40 @@ def test_family_switches_add_only_their_leaves():
         prepare_params(ModelConfig.tiny(attention_bias=True), state, unroll_layers=True)
 
 
+def _fused_by_hand(layers):
+    """The fused engine keys computed independently with NumPy (canonical -> engine)."""
+    out = {k: w for k, w in layers.items() if k not in
+           ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up")}
+    out["wqkv"] = np.concatenate([layers["wq"], layers["wk"], layers["wv"]], -1)
+    if "bq" in layers:
+        out["bqkv"] = np.concatenate([layers["bq"], layers["bk"], layers["bv"]], -1)
+    out["w_gate_up"] = np.concatenate([layers["w_gate"], layers["w_up"]], -1)
+    return out
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "canonical"])
 @pytest.mark.parametrize("unroll", [True, False])
-def test_prepare_params_layouts(unroll):
-    cfg, params = tiny_params()
-    out = prepare_params(cfg, params, unroll_layers=unroll)
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2"])
+def test_prepare_params_layouts(unroll, fuse, bias):
+    cfg = ModelConfig.tiny(attention_bias=bias)
+    params = jax.tree.map(np.asarray, canonical_params(Llama(cfg, rngs=nnx.Rngs(2))))
+    out = prepare_params(cfg, params, unroll_layers=unroll, fuse=fuse)
     assert all(isinstance(a, jax.Array) and a.dtype == jnp.float32 for a in jax.tree.leaves(out))
     np.testing.assert_array_equal(out["embed"], params["embed"])
+    want = _fused_by_hand(params["layers"]) if fuse else params["layers"]
+    if fuse:  # [L, E, (H + 2K) * D] and [L, E, 2F]
+        H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        assert want["wqkv"].shape[-1] == (H + 2 * K) * D
+        assert want["w_gate_up"].shape[-1] == 2 * cfg.intermediate_size
     if unroll:
         assert isinstance(out["layers"], list) and len(out["layers"]) == cfg.num_hidden_layers
         for i, lp in enumerate(out["layers"]):
-            for k, w in params["layers"].items():
+            assert set(lp) == set(want)
+            for k, w in want.items():
                 np.testing.assert_array_equal(lp[k], w[i])
     else:
-        assert set(out["layers"]) == set(params["layers"])
-        for k, w in params["layers"].items():
+        assert set(out["layers"]) == set(want)
+        for k, w in want.items():
             np.testing.assert_array_equal(out["layers"][k], w)
 
 
@@ -78,14 +100,17 @@ def test_device_leaves_in_the_engine_dtype_are_not_copied():
     out = prepare_params(cfg, state, unroll_layers=False)
     assert out["embed"] is state["embed"][...]
     assert out["layers"]["wq"] is state["layers"]["wq"][...]
+    fused = prepare_params(cfg, state, unroll_layers=False, fuse=True)
+    assert fused["layers"]["w_down"] is state["layers"]["w_down"][...]  # not fused: no copy
 
 
 def test_prepare_params_casts_to_bfloat16():
     cfg, params = tiny_params()
-    out = prepare_params(cfg.replace(dtype="bfloat16"), params, unroll_layers=True)
+    out = prepare_params(cfg.replace(dtype="bfloat16"), params, unroll_layers=True, fuse=True)
     assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(out))
     want = params["layers"]["w_up"][1].astype(ml_dtypes.bfloat16)  # round to nearest even
-    np.testing.assert_array_equal(np.asarray(out["layers"][1]["w_up"]), want)
+    up = np.asarray(out["layers"][1]["w_gate_up"])[:, cfg.intermediate_size:]  # fused [E, 2F]
+    np.testing.assert_array_equal(up, want)
 
 
 def _without(tree, *path):

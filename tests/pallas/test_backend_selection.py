@@ -102,7 +102,7 @@ def test_mosaic_shapes_it_cannot_tile_fail_at_construction(change, match):
 
 def test_engine_with_an_untileable_head_dim_fails_before_any_compile():
     # The runner builds its backend before it prepares params or compiles a program,
-    # so this fails in milliseconds with the kernel's message.
+    # so this fails with the kernel's message before any trace.
     from conftest import tiny_params, tiny_tokenizer
 
     cfg, params = tiny_params()  # head_dim 8

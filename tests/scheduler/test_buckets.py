@@ -48,6 +48,21 @@ def test_all_shapes_is_exactly_the_reachable_set(tb, sb):
     reach = {pol.pad(t, s) for t in range(1, tb[-1] + 1) for s in range(1, min(t, sb[-1]) + 1)}
     assert set(pol.all_shapes()) == reach
     assert len(pol.all_shapes()) == len(reach)  # no duplicates
+    # Per program family (the runner's warm-up set): stacks per T_pad, heads per S_pad.
+    keys = pol.program_keys()
+    assert len(keys) == len(set(keys))
+    assert {k for f, k in keys if f == "stack"} == {t for t, _ in reach}
+    assert {k for f, k in keys if f == "head"} == {s for _, s in reach}
+    assert {f for f, _ in keys} == {"stack", "head"}
+
+
+def test_program_keys_by_hand():
+    # (4, 100) x (8, 16): T=4 cannot hold 8 rows but T=100 can hold 16, so both heads are
+    # reachable; (1, 2) x (1, 4, 8): S=8 needs S_prev + 1 = 5 tokens, more than T_max = 2.
+    assert BucketPolicy((4, 100), (8, 16)).program_keys() == [
+        ("stack", 4), ("stack", 100), ("head", 8), ("head", 16)]
+    assert BucketPolicy((1, 2), (1, 4, 8)).program_keys() == [
+        ("stack", 1), ("stack", 2), ("head", 1), ("head", 4)]  # 8 needs >= 5 tokens
 
 
 def test_pad_errors_and_validation():

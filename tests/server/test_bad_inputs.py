@@ -65,7 +65,7 @@ BAD = [
     ("too_many_stop_token_ids", CMPL, _c(stop_token_ids=list(range(17))), "stop_token_ids"),
     ("priority_string", CMPL, _c(priority="high"), "priority"),
     ("too_many_choices", CMPL, _c(prompt=["a"] * 40, n=8), "prompt"),
-    ("logit_bias", CMPL, _c(logit_bias={"5": 1.0}), "logit_bias"),
+    ("logit_bias", CMPL, _c(logit_bias={"5": 101.0}), "logit_bias"),
     ("chat_empty_messages", CHAT, _m(messages=[]), "messages"),
     ("chat_missing_messages", CHAT, {"model": MODEL}, "messages"),
     ("chat_bad_role", CHAT, _m(messages=[{"role": "wizard", "content": "x"}]), "messages"),

@@ -112,7 +112,8 @@ class PallasMosaicBackend:
 
     def __post_init__(self):
         for decode in (True, False):
-            rpm.check_tiles(self.tiles_for(decode=decode), num_queries_per_kv=self.num_queries_per_kv,
+            rpm.check_tiles(self.tiles_for(decode=decode),
+                            num_queries_per_kv=self.num_queries_per_kv,
                             block_size=self.block_size, head_dim=self.head_dim,
                             dtype=jnp.dtype(self.dtype))
 

@@ -74,6 +74,7 @@ class XlaBackend:
       block_q: tokens per prefill tile.
       decode_chunk: keys per split-KV work item of the decode rows.
       decode_mulsum: decode products as multiply + sum instead of tiny matmuls.
+      decode_max_items: at most this many split-KV items per loop iteration.
       prefill_chunk: keys per inner step of a prefill tile.
     """
 
@@ -81,6 +82,7 @@ class XlaBackend:
     block_q: int = 32
     decode_chunk: int = 128
     decode_mulsum: bool = True
+    decode_max_items: int = 8
     prefill_chunk: int = 256
     name: str = "xla"
 
@@ -173,7 +175,8 @@ def _decode_scores(q, k, v, sm_scale, multiply_sum):
                                    preferred_element_type=jnp.float32)
 
 
-def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, multiply_sum):
+def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, multiply_sum,
+                     max_items):
     """Decode attention over a flat list of (sequence, KV chunk) work items (split-KV).
 
     Flash-decoding style (Dao et al. 2023): sequence s contributes ceil(kv_len[s] / CK)
@@ -183,11 +186,16 @@ def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, 
     slots (kv_len 0) and short rows next to a long one cost nothing.
 
     q: [S, K, G, D]; kv_len: i32[S] (0 = not a decode); pages: i32[S, P'] (P' a multiple
-    of chunk_pages). Returns f32[S, K, G, D], 0 for rows with kv_len 0.
+    of chunk_pages); each iteration takes W = min(S, max_items) items: in large
+    buckets the multiply-reduce products cost superlinearly in W (64 rows x 1024 keys:
+    46.5 ms per layer at W = 64 vs 28.0 at W = 8, notes/perf.md), so they walk more,
+    smaller iterations.
+    Returns f32[S, K, G, D], 0 for rows with kv_len 0.
     """
     n, kh, g, d = q.shape
+    w = min(n, max_items)
     ck = chunk_pages * kc.shape[2]
-    n_iter_max = pages.shape[1] // chunk_pages  # ceil(S * chunks per row / S)
+    n_iter_max = -(-n * (pages.shape[1] // chunk_pages) // w)  # ceil(S * chunks per row / W)
     cnt = (kv_len + ck - 1) // ck  # [S] items per sequence
     end = jnp.cumsum(cnt)  # [S] exclusive end of each sequence's items
     start = end - cnt
@@ -200,7 +208,7 @@ def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, 
         return row, idx - start[row], idx < total
 
     def body(it, bufs):
-        idx = it * n + jnp.arange(n, dtype=jnp.int32)  # [W] with W = S items per iteration
+        idx = it * w + jnp.arange(w, dtype=jnp.int32)  # [W] items of this iteration
         row, chunk, ok = item_rows(idx)
         pg = pages[row[:, None], chunk[:, None] * chunk_pages + cols[None, :]]  # [W, cp]
         pg = jnp.where(ok[:, None], pg, 0)
@@ -211,11 +219,11 @@ def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, 
         v = jnp.where(key_ok[:, :, None, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
         s, pv = _decode_scores(q[row].astype(jnp.float32), k, v, sm_scale, multiply_sum)
         # Each item's partial state starts empty; the merge below combines them.
-        part = online_softmax_step(init_state((n, kh, g), d), s, key_ok[:, None, None, :], pv)
-        return tuple(lax.dynamic_update_slice_in_dim(b, x, it * n, 0) for b, x in zip(bufs, part))
+        part = online_softmax_step(init_state((w, kh, g), d), s, key_ok[:, None, None, :], pv)
+        return tuple(lax.dynamic_update_slice_in_dim(b, x, it * w, 0) for b, x in zip(bufs, part))
 
-    nb = n_iter_max * n
-    acc_buf, m_buf, l_buf = lax.fori_loop(0, (total + n - 1) // n, body, init_state((nb, kh, g), d))
+    nb = n_iter_max * w
+    acc_buf, m_buf, l_buf = lax.fori_loop(0, (total + w - 1) // w, body, init_state((nb, kh, g), d))
     # Merge the partial states per sequence; unused slots go to the extra segment n.
     row, _, ok = item_rows(jnp.arange(nb, dtype=jnp.int32))
     seg = jnp.where(ok, row, n)
@@ -245,7 +253,8 @@ def _xla_attention(be: XlaBackend, q, kc, vc, layer, md: XlaMetadata, sm_scale: 
     dq = qg[md.decode_token_idx]  # [S, K, G, D]
     o_dec = _decode_split_kv(dq, md.decode_kv_len, _pad_pages(md.block_table, dcp), kc, vc,
                              layer, sm_scale=sm_scale, chunk_pages=dcp,
-                             multiply_sum=be.decode_mulsum)  # [S, K, G, D]
+                             multiply_sum=be.decode_mulsum,
+                             max_items=be.decode_max_items)  # [S, K, G, D]
     out = out.at[md.decode_token_idx].set(o_dec)
 
     # Prefill tiles, one at a time, each up to its own causal end.

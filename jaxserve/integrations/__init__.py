@@ -1,0 +1,1 @@
+"""Adapters from jaxserve to other JAX libraries; each is optional (its own extra)."""

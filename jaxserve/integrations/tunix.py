@@ -1,0 +1,134 @@
+"""A Tunix rollout worker on top of `jaxserve.LLM` (google-tunix, `tunix.rl.rollout`).
+
+Tunix's RL learners (GRPO, PPO) talk to a rollout engine through
+`tunix.rl.rollout.base_rollout.BaseRollout`: `generate(prompts, rollout_config)`
+-> `RolloutOutput`, `get_per_token_logps`, `update_params`, `pad_id`, `eos_id`,
+`model`. `JaxserveRollout` implements that shape in the trainer's own process:
+weights are swapped with `LLM.update_params` (no recompilation, no disk).
+
+Tunix is optional (`pip install jaxserve[tunix]`): nothing here imports it at
+module level. When `tunix.rl.rollout.base_rollout` imports, `generate` returns
+its `RolloutOutput`; otherwise the local `RolloutOutput` below, which has the
+same fields (google-tunix 0.1.7). Not implemented yet: `get_per_token_logps`
+needs teacher-forced scoring (`LLM.score`, a new program family in the runner),
+and `RolloutOutput.logits` (per-step full logits) is always an empty list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxserve.llm import LLM
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class RolloutOutput:
+    """Tunix's `RolloutOutput` fields (used when Tunix is not installed).
+
+    text: B completions; logits: unsupported, []; tokens: B i32[L_i] completion ids
+    (a stopping EOS included, as vLLM reports it); left_padded_prompt_tokens:
+    i32[B, max_prompt_length] with pad_id on the left; logprobs: B f32[L_i]
+    sampled-token logprobs (engine's logprobs_mode), or None.
+    """
+
+    text: list[str]
+    logits: list[Any]
+    tokens: list[np.ndarray]
+    left_padded_prompt_tokens: np.ndarray
+    logprobs: list[np.ndarray] | None
+
+
+def _output_type() -> type:
+    try:
+        from tunix.rl.rollout.base_rollout import RolloutOutput as TunixOutput
+    except ImportError:  # Tunix is optional
+        return RolloutOutput
+    return TunixOutput
+
+
+def sampling_params_for(rollout_config: Any, index: int) -> SamplingParams:
+    """SamplingParams of prompt `index` from a Tunix `RolloutConfig` (read by field name).
+
+    max_tokens_to_generate, temperature, top_p (None: off), top_k (None: off),
+    eos_tokens (extra stop token ids), return_logprobs; a scalar `seed` (int or
+    jax/NumPy scalar) gives prompt i the seed seed + i, so a batch is reproducible.
+    """
+    seed = getattr(rollout_config, "seed", None)
+    top_p, top_k = getattr(rollout_config, "top_p", None), getattr(rollout_config, "top_k", None)
+    return SamplingParams(
+        max_tokens=int(rollout_config.max_tokens_to_generate),
+        temperature=float(rollout_config.temperature),
+        top_p=1.0 if top_p is None else float(top_p), top_k=0 if top_k is None else int(top_k),
+        seed=None if seed is None else int(np.asarray(seed)) + index,
+        stop_token_ids=tuple(int(t) for t in (getattr(rollout_config, "eos_tokens", None) or ())),
+        logprobs=0 if getattr(rollout_config, "return_logprobs", False) else None)
+
+
+class JaxserveRollout:
+    """Tunix's rollout interface over an in-process `LLM`.
+
+    Args:
+      llm: the engine, e.g. `LLM.from_module(policy, tokenizer, ...)`.
+      module: what `model()` returns (the policy module the engine was built from).
+      pad_id: the id left-padding the prompts (default: the tokenizer's pad id, else 0).
+    """
+
+    def __init__(self, llm: LLM, *, module: Any = None, pad_id: int | None = None):
+        self.llm = llm
+        self._module = module
+        tok = llm.engine.tokenizer
+        self._pad_id = pad_id if pad_id is not None else int(getattr(tok, "pad_token_id", None) or 0)
+
+    def generate(self, prompts: Sequence[str], rollout_config: Any, **kwargs: Any) -> Any:
+        """One completion per prompt (Tunix repeats prompts for its group size).
+
+        Raises:
+          ValueError: an unknown keyword argument, or a bad prompt/parameter.
+        """
+        if kwargs:
+            raise ValueError(f"JaxserveRollout.generate: unsupported arguments {sorted(kwargs)}")
+        sps = [sampling_params_for(rollout_config, i) for i in range(len(prompts))]
+        outs = self.llm.generate(list(prompts), sps, use_tqdm=False)
+        width = int(rollout_config.max_prompt_length)
+        padded = np.full((len(outs), width), self._pad_id, np.int32)
+        for i, o in enumerate(outs):
+            ids = o.prompt_token_ids[-width:]  # Tunix keeps a prompt's last tokens
+            padded[i, width - len(ids):] = ids
+        comps = [o.outputs[0] for o in outs]
+        lps = None
+        if getattr(rollout_config, "return_logprobs", False):
+            lps = [np.asarray(c.token_logprobs, np.float32) for c in comps]
+        return _output_type()(text=[c.text for c in comps], logits=[],
+                              tokens=[np.asarray(c.token_ids, np.int32) for c in comps],
+                              left_padded_prompt_tokens=padded, logprobs=lps)
+
+    def get_per_token_logps(self, prompt_tokens: Any, completion_tokens: Any) -> Any:
+        """Not available yet: needs teacher-forced scoring (`LLM.score`, issue 15)."""
+        raise NotImplementedError("get_per_token_logps needs LLM.score (teacher-forced scoring), "
+                                  "which jaxserve does not have yet (issue 15)")
+
+    def update_params(self, params: Any, filter_types: Any = None) -> None:
+        """Swap in the trainer's weights (a Llama module, nnx.State or tree).
+
+        Raises:
+          ValueError: filter_types (a partial, e.g. LoRA-only, update) or a bad tree.
+        """
+        if filter_types is not None:
+            raise ValueError(f"filter_types={filter_types!r}: only full-weight updates are "
+                             "supported (pass the whole state)")
+        self.llm.update_params(params)
+        if self._module is not None and hasattr(params, "cfg"):
+            self._module = params
+
+    def pad_id(self) -> int:
+        return self._pad_id
+
+    def eos_id(self) -> int:
+        return int(self.llm.engine.eos_token_ids[0])
+
+    def model(self) -> Any:
+        return self._module
