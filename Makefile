@@ -29,8 +29,8 @@ model: $(MODEL)
 generate: setup model
 	$(VENV)/bin/jaxserve generate --prompts_file=$(PROMPTS) --max_tokens=64 --max_num_seqs=8
 
-# The whole suite (server tests against the scripted FakeEngine), then the
-# server tests again against the real tiny-model LLMEngine on uvicorn.
+# The whole suite (server tests on a real LLMEngine over the scripted FakeRunner), then
+# the server tests again against the real tiny-model LLMEngine on uvicorn.
 test: setup model
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 	JAXSERVE_SERVER_TEST_ENGINE=tiny $(PY) -m pytest -q tests/server

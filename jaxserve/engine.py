@@ -168,9 +168,10 @@ class LLMEngine:
         """Run one scheduling iteration; return outputs of requests that progressed.
 
         A row whose own host work fails ends alone with finish_reason "error".
-        A failure of the whole step ends that step's requests so (and, when the
-        runner had to rebuild the KV cache, every other live request too,
-        since their KV rows are gone); the engine itself stays usable.
+        A failure of the whole step preempts its rows by recompute and retries
+        them once (`Scheduler.fail_step`); a row that fails a second time ends
+        with "error". When the runner had to rebuild the KV cache, every other
+        running request is recomputed too. The engine itself stays usable.
         """
         pending, self._pending = self._pending, []
         return pending + self._step()
@@ -186,7 +187,11 @@ class LLMEngine:
         except Exception as e:  # one bad step fails its requests, never the engine
             logger.exception("engine step failed")
             self.num_failed_steps += 1
-            kv_lost = self.runner.reset()
+            try:
+                kv_lost = self.runner.reset()
+            except Exception:  # e.g. no memory for a new cache: assume every KV row is gone
+                logger.exception("runner reset failed")
+                kv_lost = True
             ids = self.scheduler.fail_step(out, kv_lost=kv_lost)
             return self.outputs.collect(self.outputs.fail(ids, f"{type(e).__name__}: {e}"))
         changed: list[str] = []
@@ -243,7 +248,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.outputs.num_live > 0
+        """True while a request is live or a finished one's output awaits `step()`."""
+        return self.outputs.num_live > 0 or bool(self._pending)
 
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges for metrics endpoints and benchmark summaries."""

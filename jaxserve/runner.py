@@ -88,12 +88,12 @@ class Runner(Protocol):
           whose host work succeeded, and request_id -> RowError for every row
           (sampling or not) whose own host work failed.
         Raises: any failure of the whole step (device error, bad plan); the
-          caller then fails the step's requests and calls `reset()`.
+          caller then calls `reset()` and retries the step's rows once.
         """
 
     def reset(self) -> bool:
         """Recover after `execute` raised; True when the KV cache had to be rebuilt
-        (every cached KV row is gone, so every live request must be failed)."""
+        (every cached KV row is gone, so every running request is recomputed)."""
 
     def stats(self) -> RunnerStats:
         """The runner's compile and per-shape step counters."""

@@ -32,11 +32,13 @@ if [[ -z "${SOAK_URL:-}" ]]; then
   trap 'kill -TERM $SERVER_PID 2>/dev/null || true; wait $SERVER_PID 2>/dev/null || true; rm -rf "$WORK"' EXIT
   SOAK_URL="http://127.0.0.1:$PORT"
   SOAK_PID=$SERVER_PID
+  HEALTHY=0
   for _ in $(seq 1 600); do   # at most 300 s of warm-up
     if ! kill -0 "$SERVER_PID" 2>/dev/null; then echo "server died:"; tail -30 "$WORK/server.log"; exit 1; fi
-    if "$PY" -c "import httpx,sys; sys.exit(httpx.get('$SOAK_URL/health', timeout=2).status_code != 200)" 2>/dev/null; then break; fi
+    if "$PY" -c "import httpx,sys; sys.exit(httpx.get('$SOAK_URL/health', timeout=2).status_code != 200)" 2>/dev/null; then HEALTHY=1; break; fi
     sleep 0.5
   done
+  if [[ $HEALTHY != 1 ]]; then echo "server not healthy after 300 s:" >&2; tail -30 "$WORK/server.log" >&2; exit 1; fi
 fi
 echo "soak: ${SECONDS_TOTAL} s of mixed traffic at $SOAK_URL (pid ${SOAK_PID:-?}), load: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 set +e

@@ -45,14 +45,16 @@ def test_adapter_has_tunix_rollout_shape():
 
 
 def test_generate_fills_rollout_output_exactly():
-    # "c" = [6] -> 6 ordinary tokens, capped at 5; "a b c d" = [4, 3, 5, 3, 6, 3, 7] (no
-    # BOS in the tiny tokenizer) -> 4 ordinary tokens 10..13 ("ghij") then EOS.
+    # eos_after puts EOS at output position = the first prompt token the engine saw.
+    # "c" = [6] -> 6 ordinary tokens, capped at 5; "b a a b" = [5, 3, 4, 3, 4, 3, 5] (no BOS
+    # in the tiny tokenizer) is cut to its last 3 tokens [4, 3, 5] BEFORE generating, so
+    # 4 ordinary tokens 10..13 ("ghij") then EOS (the uncut prompt would give 5, no EOS).
     ro = JaxserveRollout(fake_llm(eos_after))
     cfg = RolloutConfig(max_tokens_to_generate=5, temperature=0.7, seed=np.int32(3),
                         max_prompt_length=3, return_logprobs=True)
-    out = ro.generate(["c", "a b c d"], cfg)
+    out = ro.generate(["c", "b a a b"], cfg)
     assert isinstance(out, RolloutOutput) and out.logits == []
-    assert out.left_padded_prompt_tokens.tolist() == [[0, 0, 6], [6, 3, 7]]  # last 3 kept
+    assert out.left_padded_prompt_tokens.tolist() == [[0, 0, 6], [4, 3, 5]]  # last 3 kept
     assert [t.tolist() for t in out.tokens] == [[10, 11, 12, 13, 14], [10, 11, 12, 13, EOS]]
     assert out.text == ["ghijk", "ghij"]  # the EOS text is not output
     want = np.float32([-(p + 1) / 8 for p in range(5)])

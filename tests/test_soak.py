@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -22,8 +23,15 @@ def test_one_minute_soak(tmp_path):
     report = tmp_path / "soak.json"
     env = dict(os.environ, SOAK_SECONDS=os.environ.get("SOAK_SECONDS", "60"),
                SOAK_REPORT=str(report), SOAK_CONCURRENCY="6", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(["bash", "scripts/soak.sh"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+    # Its own process group, so a timeout kills the server too (bash's EXIT trap would not run).
+    p = subprocess.Popen(["bash", "scripts/soak.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+    proc = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     assert report.exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
     r = json.loads(report.read_text())
     assert proc.returncode == 0, (r["failed_checks"], proc.stderr[-3000:])

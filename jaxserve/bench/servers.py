@@ -84,7 +84,8 @@ def ensure_llama_build(cache: Path, version: str, jobs: int) -> dict[str, Path]:
 
 def ensure_f32_gguf(quantize: Path, src: Path, cache: Path) -> Path:
     """`src` requantized to F32 in `cache/models/` (once; written to a temp name, then renamed)."""
-    dst = cache / "models" / f"{src.name.split('.')[0]}.F32.gguf"
+    # The whole stem plus the size: two quantizations (or two sizes) of one model never share.
+    dst = cache / "models" / f"{src.stem}-{src.stat().st_size}.F32.gguf"
     if dst.is_file():
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +93,7 @@ def ensure_f32_gguf(quantize: Path, src: Path, cache: Path) -> Path:
     r = subprocess.run([str(quantize), "--allow-requantize", str(src), str(tmp), "F32"],
                        capture_output=True, text=True)
     if r.returncode:
+        tmp.unlink(missing_ok=True)
         raise RuntimeError(f"llama-quantize failed ({r.returncode}): {r.stderr[-1000:]}")
     tmp.rename(dst)
     return dst

@@ -92,12 +92,15 @@ class JaxserveRollout:
         if kwargs:
             raise ValueError(f"JaxserveRollout.generate: unsupported arguments {sorted(kwargs)}")
         sps = [sampling_params_for(rollout_config, i) for i in range(len(prompts))]
-        outs = self.llm.generate(list(prompts), sps, use_tqdm=False)
         width = int(rollout_config.max_prompt_length)
+        tok = self.llm.engine.tokenizer
+        # Tunix keeps a prompt's last max_prompt_length tokens; generate from exactly those,
+        # so the prompt the trainer is handed is the one the model saw.
+        ids = [tok.encode(p, add_special_tokens=True)[-width:] for p in prompts]
+        outs = self.llm.generate(ids, sps, use_tqdm=False)
         padded = np.full((len(outs), width), self._pad_id, np.int32)
         for i, o in enumerate(outs):
-            ids = o.prompt_token_ids[-width:]  # Tunix keeps a prompt's last tokens
-            padded[i, width - len(ids):] = ids
+            padded[i, width - len(o.prompt_token_ids):] = o.prompt_token_ids
         comps = [o.outputs[0] for o in outs]
         lps = None
         if getattr(rollout_config, "return_logprobs", False):

@@ -91,9 +91,11 @@ def validate_params(cfg: ModelConfig, params: Mapping[str, object]) -> None:
 
 
 def _cast(a: object, dt: np.dtype) -> object:
-    """a in dtype dt: NumPy stays on the host (no copy when it already has dt), jax on device."""
+    """a in dtype dt: NumPy stays on the host (no copy when it already has dt); a jax
+    leaf is always copied on its device, so the engine never shares a buffer with its
+    caller (a trainer that donates its params must not delete the engine's weights)."""
     if isinstance(a, jax.Array):
-        return a if a.dtype == dt else a.astype(dt)
+        return jnp.array(a, dtype=dt, copy=True)
     return np.asarray(a).astype(dt, copy=False)
 
 
@@ -148,8 +150,9 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
     `run_layers` then unrolls the layers and every matmul reads its own weight
     buffer, instead of the scan's per-layer dynamic-slice copy (notes/perf.md).
     Host NumPy leaves are cast and split as host views where possible and moved
-    with one `jax.device_put`; device leaves are sliced and cast on the device.
-    Either way the result is the only engine-layout copy made.
+    with one `jax.device_put`; device leaves are sliced, cast and copied on the
+    device. Either way the result is the only engine-layout copy made, and it
+    shares no buffer with `params`.
 
     Args:
       cfg: the model config (shapes and dtype).

@@ -462,18 +462,16 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_STOPPED
 
     def fail_step(self, out: SchedulerOutput, *, kv_lost: bool) -> list[str]:
-        """After a plan's execution raised: its rows are preempted by recompute, to be
-        retried (a row already retried MAX_STEP_RETRIES times finishes FINISHED_ERROR);
-        with `kv_lost` every running request is preempted too, uncounted. The prefix
-        cache is forgotten (its blocks may hold garbage). Returns the ids failed."""
-        rows = {sr.request_id for sr in out.scheduled}
-        failed = [r for r in rows if r in self.requests
-                  and self.requests[r].num_step_retries >= MAX_STEP_RETRIES]
+        """After a plan's execution raised: its rows are preempted by recompute to be
+        retried, except a row whose lifetime budget of MAX_STEP_RETRIES is spent, which
+        finishes FINISHED_ERROR; with `kv_lost` every running request is preempted too
+        (a preemption, not a retry). The prefix cache is forgotten. Returns the ids failed."""
+        rows = {sr.request_id for sr in out.scheduled if sr.request_id in self.requests}
+        failed = [r for r in rows if self.requests[r].num_step_retries >= MAX_STEP_RETRIES]
         self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-        for rid in (list(self.requests) if kv_lost else [r for r in rows if r in self.requests]):
-            req = self.requests[rid]
-            req.num_step_retries += rid in rows
-            if req.status == _RUNNING:
+        for req in reversed(list(self.running)):  # newest first: push_front keeps the oldest first
+            if kv_lost or req.request_id in rows:
+                req.num_step_retries += req.request_id in rows
                 self.running.remove(req)
                 self._preempt(req)
         if self._pending_out is out:

@@ -166,9 +166,9 @@ class FakeRunner:
 
     # ------------------------------------------------------------ Runner protocol
     def warmup(self, *, progress: bool = True) -> None:
-        """Nothing to compile; reports the policy's shapes as ready."""
+        """Nothing to compile; reports the policy's programs (T_pad stacks + S_pad heads) as ready."""
         if self.bucket_policy is not None:
-            self._stats.warmup_programs = len(self.bucket_policy.all_shapes())
+            self._stats.warmup_programs = len(self.bucket_policy.program_keys())
 
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, RowResult]:
         """Scripted tokens for the plan's sampling rows (see `jaxserve.runner.Runner`).

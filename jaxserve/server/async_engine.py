@@ -171,8 +171,9 @@ class AsyncEngine:
                  on_step: Callable[[dict], None] | None = None,
                  on_finished: Callable[[RequestDelta], None] | None = None,
                  max_queued_requests: int | None = None):
-        if max_queued_requests is not None and max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests={max_queued_requests} must be >= 0 or None")
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests={max_queued_requests} must be >= 1 or None "
+                             "(0 would refuse every request)")
         self.max_queued_requests = max_queued_requests
         self.engine: LLMEngine | None
         self._factory: Callable[[], LLMEngine] | None
@@ -337,10 +338,11 @@ class AsyncEngine:
             fut.set_exception(RuntimeError(f"engine is {self.state}"))
             return
         if self.max_queued_requests is not None:
-            waiting = self.engine.get_stats()["num_waiting"]
-            if waiting + len(requests) > self.max_queued_requests:
+            waiting = self.engine.get_stats()["num_waiting"]  # scheduler (child) requests
+            new = sum(r.params.n for r in requests)
+            if waiting + new > self.max_queued_requests:
                 fut.set_exception(QueueFullError(
-                    f"server overloaded: {waiting} requests waiting + {len(requests)} new "
+                    f"server overloaded: {waiting} requests waiting + {new} new "
                     f"exceeds max_queued_requests={self.max_queued_requests}"))
                 return
         added: list[str] = []

@@ -94,14 +94,18 @@ def test_module_state_and_numpy_tree_prepare_to_the_same_leaves():
             np.testing.assert_array_equal(a, b)
 
 
-def test_device_leaves_in_the_engine_dtype_are_not_copied():
+def test_device_leaves_are_copied_so_a_donating_trainer_cannot_delete_them():
     cfg = ModelConfig.tiny()
     state = nnx.state(Llama(cfg, rngs=nnx.Rngs(0)))
+    want = np.asarray(state["embed"][...])
     out = prepare_params(cfg, state, unroll_layers=False)
-    assert out["embed"] is state["embed"][...]
-    assert out["layers"]["wq"] is state["layers"]["wq"][...]
     fused = prepare_params(cfg, state, unroll_layers=False, fuse=True)
-    assert fused["layers"]["w_down"] is state["layers"]["w_down"][...]  # not fused: no copy
+    assert out["embed"] is not state["embed"][...]
+    state["embed"][...].delete()  # what a donated training step does to its input
+    state["layers"]["w_down"][...].delete()
+    np.testing.assert_array_equal(np.asarray(out["embed"]), want)
+    assert not fused["layers"]["w_down"].is_deleted()
+    assert not out["layers"]["w_down"].is_deleted()
 
 
 def test_prepare_params_casts_to_bfloat16():

@@ -65,6 +65,7 @@ def test_group_larger_than_the_queue_is_refused_whole():
         healthy_probe(srv)
 
 
-def test_max_queued_requests_must_be_non_negative():
-    with pytest.raises(ValueError, match="max_queued_requests=-1 must be >= 0"):
-        AsyncEngine(lambda: None, max_queued_requests=-1)
+@pytest.mark.parametrize("bad", [-1, 0])
+def test_max_queued_requests_must_be_positive(bad):
+    with pytest.raises(ValueError, match=f"max_queued_requests={bad} must be >= 1"):
+        AsyncEngine(lambda: None, max_queued_requests=bad)
