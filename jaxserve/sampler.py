@@ -114,6 +114,39 @@ def _uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def _fill_token_lists(i: int, row: SamplingRow, max_model_len: int, history: np.ndarray,
+                      prompt_lens: np.ndarray, suppress: np.ndarray, bias_ids: np.ndarray,
+                      bias_values: np.ndarray) -> None:
+    """Row i's token-id inputs: penalty history, min_tokens suppression, logit_bias.
+
+    Raises:
+      ValueError: a penalised history longer than max_model_len, or more than
+        MAX_LOGIT_BIAS logit_bias entries.
+    """
+    p = row.params
+    if _uses_penalties(p):
+        n_prompt, n_out = len(row.prompt_token_ids), len(row.output_token_ids)
+        if n_prompt + n_out > max_model_len:
+            raise ValueError(
+                f"rows[{i}] history of {n_prompt}+{n_out} tokens exceeds "
+                f"max_model_len={max_model_len}")
+        history[i, :n_prompt] = np.asarray(row.prompt_token_ids, np.int32)
+        history[i, n_prompt:n_prompt + n_out] = np.asarray(row.output_token_ids, np.int32)
+        prompt_lens[i] = n_prompt
+    if len(row.output_token_ids) < p.min_tokens:
+        # vLLM: min_tokens suppresses the tokens that would stop the request; with
+        # ignore_eos EOS does not stop it, so EOS stays sampleable (DESIGN.md).
+        ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(row.eos_token_ids))
+        suppress[i, :len(ids)] = ids
+    if p.logit_bias:
+        if len(p.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"rows[{i}] has {len(p.logit_bias)} logit_bias entries, "
+                             f"at most MAX_LOGIT_BIAS={MAX_LOGIT_BIAS}")
+        pairs = np.asarray(p.logit_bias, np.float64)  # [n, 2]; ids < 2**31 are exact
+        bias_ids[i, :len(pairs)] = pairs[:, 0]
+        bias_values[i, :len(pairs)] = pairs[:, 1]
+
+
 def make_sampling_metadata(
     rows: Sequence[SamplingRow | None], *, num_rows: int, max_model_len: int
 ) -> SamplingMetadata:
@@ -173,27 +206,8 @@ def make_sampling_metadata(
         rng_key[i] = (row.seed >> 32, row.seed & 0xFFFFFFFF)
         output_pos[i] = row.output_pos
         rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        if _uses_penalties(p):
-            n_prompt, n_out = len(row.prompt_token_ids), len(row.output_token_ids)
-            if n_prompt + n_out > max_model_len:
-                raise ValueError(
-                    f"rows[{i}] history of {n_prompt}+{n_out} tokens exceeds "
-                    f"max_model_len={max_model_len}")
-            history[i, :n_prompt] = np.asarray(row.prompt_token_ids, np.int32)
-            history[i, n_prompt:n_prompt + n_out] = np.asarray(row.output_token_ids, np.int32)
-            prompt_lens[i] = n_prompt
-        if len(row.output_token_ids) < p.min_tokens:
-            # vLLM: min_tokens suppresses the tokens that would stop the request; with
-            # ignore_eos EOS does not stop it, so EOS stays sampleable (DESIGN.md).
-            ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(row.eos_token_ids))
-            suppress[i, :len(ids)] = ids
-        if p.logit_bias:
-            if len(p.logit_bias) > MAX_LOGIT_BIAS:
-                raise ValueError(f"rows[{i}] has {len(p.logit_bias)} logit_bias entries, "
-                                 f"at most MAX_LOGIT_BIAS={MAX_LOGIT_BIAS}")
-            pairs = np.asarray(p.logit_bias, np.float64)  # [n, 2]; ids < 2**31 are exact
-            bias_ids[i, :len(pairs)] = pairs[:, 0]
-            bias_values[i, :len(pairs)] = pairs[:, 1]
+        _fill_token_lists(i, row, max_model_len, history, prompt_lens, suppress, bias_ids,
+                          bias_values)
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng_key=rng_key,
         output_pos=output_pos, repetition_penalty=rep, presence_penalty=pres,
