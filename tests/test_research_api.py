@@ -117,8 +117,11 @@ def test_update_fails_requests_in_flight_clearly(llm_a):
     eng.step()
     assert eng.has_unfinished_requests()
     v = eng.update_params(module(1))
-    assert not eng.has_unfinished_requests()
+    # The request is finished, but its error output still awaits step(): a drain loop
+    # `while has_unfinished_requests(): step()` must get to deliver it.
+    assert eng.has_unfinished_requests()
     (out,) = eng.step()
+    assert not eng.has_unfinished_requests()
     assert out.request_id == "inflight" and out.finished
     c = out.outputs[0]
     assert c.finish_reason == "error" and f"to {v}" in c.error and len(c.token_ids) == 1
