@@ -161,6 +161,31 @@ def query_tiles(query_start_loc: np.ndarray, seq_lens: np.ndarray, q_lens: np.nd
                 tile_offset=offset.astype(np.int32), num_tiles=np.array([total], np.int32))
 
 
+def tile_step(common: CommonAttentionMetadata, block_q: int
+              ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The query tiles of one validated step and where each token's output lands.
+
+    Shared by the Pallas backends, whose kernels write [NT * block_q] tiled rows.
+
+    Returns:
+      (tiles, token_out_row): `query_tiles`' dict at the static bound
+      `num_query_tiles(T, S, block_q)`, and i32[T] the row tile * block_q + r of each
+      real token (-1 for padding tokens).
+
+    Raises:
+      ValueError: from `query_tiles` when the static tile bound is exceeded.
+    """
+    qsl = np.asarray(common.query_start_loc, np.int64)
+    t, s = common.slot_mapping.shape[0], common.seq_lens.shape[0]
+    til = query_tiles(qsl, common.seq_lens, real_q_lens(common), block_q,
+                      num_query_tiles(t, s, block_q))
+    tok = np.arange(t)
+    seq_of = np.clip(np.searchsorted(qsl, tok, side="right") - 1, 0, s - 1)  # [T]
+    within = tok - qsl[seq_of]
+    row = (til["tile_offset"][seq_of] + within // block_q) * block_q + within % block_q
+    return til, np.where(tok < qsl[int(common.num_seqs)], row, -1).astype(np.int32)
+
+
 def stacked_cache(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | None
                   ) -> tuple[jax.Array, jax.Array, jax.Array, bool]:
     """([L, N, B, K, D] caches, i32[] layer, whether the input was one layer's [N, B, K, D]).

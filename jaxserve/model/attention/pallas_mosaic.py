@@ -23,8 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
-                                             num_query_tiles, query_tiles, real_q_lens,
-                                             stacked_cache)
+                                             stacked_cache, tile_step)
 from jaxserve.model.attention.xla import XlaBackend
 from jaxserve.pallas import ragged_paged_attention_mosaic as rpm
 
@@ -63,22 +62,14 @@ def mosaic_metadata(common: CommonAttentionMetadata, tiles: rpm.MosaicTiles) -> 
     Raises:
       ValueError: from `query_tiles` when the static tile bound is exceeded.
     """
-    qsl = common.query_start_loc.astype(np.int64)
-    t, s, bq = common.slot_mapping.shape[0], common.seq_lens.shape[0], tiles.block_q
-    til = query_tiles(qsl, common.seq_lens, real_q_lens(common), bq, num_query_tiles(t, s, bq))
-    tok = np.arange(t)
-    seq_of = np.clip(np.searchsorted(qsl, tok, side="right") - 1, 0, s - 1)
-    within = tok - qsl[seq_of]
-    row = (til["tile_offset"][seq_of] + within // bq) * bq + within % bq
+    til, out_row = tile_step(common, tiles.block_q)
     bt = common.block_table
     # The kernel walks whole chunks of pages; the extra columns point at the null block.
     bt = np.pad(bt, ((0, 0), (0, -bt.shape[1] % tiles.pages_per_chunk)))
     return MosaicMetadata(
         slot_mapping=common.slot_mapping, block_table=bt, tile_seq=til["tile_seq"],
         tile_q_start=til["tile_q_start"], tile_pos0=til["tile_pos0"],
-        tile_kv_end=til["tile_kv_end"],
-        token_out_row=np.where(tok < qsl[int(common.num_seqs)], row, -1).astype(np.int32),
-        tiles=tiles)
+        tile_kv_end=til["tile_kv_end"], token_out_row=out_row, tiles=tiles)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,8 +16,7 @@ import jax
 import numpy as np
 
 from jaxserve.model.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
-                                             num_query_tiles, query_tiles, real_q_lens,
-                                             stacked_cache)
+                                             stacked_cache, tile_step)
 from jaxserve.pallas import kv_cache_update as kvu
 from jaxserve.pallas import ragged_paged_attention as rpa
 
@@ -97,20 +96,13 @@ class PallasTritonBackend:
           ValueError: see `host_common`.
         """
         c = host_common(common, self.block_size)
-        qsl, t, s = c.query_start_loc, c.slot_mapping.shape[0], c.seq_lens.shape[0]
-        bq = self.block_q or choose_block_q(t, s, self.num_queries_per_kv)
-        til = query_tiles(qsl, c.seq_lens, real_q_lens(c), bq, num_query_tiles(t, s, bq))
-        # Row of each real token in the kernel's tiled output.
-        tok = np.arange(t)
-        tok_seq = np.clip(np.searchsorted(qsl, tok, side="right") - 1, 0, s - 1)  # [T]
-        rel = tok - qsl[tok_seq]
-        out_row = (til["tile_offset"][tok_seq] + rel // bq) * bq + rel % bq
+        bq = self.block_q or choose_block_q(c.slot_mapping.shape[0], c.seq_lens.shape[0],
+                                            self.num_queries_per_kv)
+        til, out_row = tile_step(c, bq)
         return PallasTritonMetadata(
             slot_mapping=c.slot_mapping, block_table=c.block_table, tile_seq=til["tile_seq"],
             tile_q_start=til["tile_q_start"], tile_pos0=til["tile_pos0"],
-            tile_kv_end=til["tile_kv_end"],
-            token_out_row=np.where(tok < qsl[c.num_seqs], out_row, -1).astype(np.int32),
-            block_q=int(bq))
+            tile_kv_end=til["tile_kv_end"], token_out_row=out_row, block_q=int(bq))
 
     def write_kv(self, k_cache, v_cache, k, v, md: PallasTritonMetadata, *, layer):
         """See `AttentionBackend.write_kv`: the in-place Pallas write."""
