@@ -10,19 +10,26 @@ requests in `jaxserve.input_processor`, outputs are assembled in
 `jaxserve.output_processor`, and the runner sits behind the `Runner`
 protocol (`jaxserve.runner`), so tests and dry runs plug in `FakeRunner`.
 
+Structured output (`jaxserve.structured_output`): a request with
+`structured_outputs` is held here, out of the scheduler, until its grammar is
+compiled (a thread pool, cached by spec), then queued with its matcher; the
+batch never waits for a compile. The runner fills each grammar row's bitmask;
+the output processor advances the matcher by each accepted token.
+
 The engine is not thread-safe: call it from one thread (the server runs it
-in its own loop thread).
+in its own loop thread); `grammars` (the compiler) is thread-safe.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
 from typing import Any, Sequence
 
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from jaxserve.input_processor import InputProcessor
+from jaxserve.input_processor import InputProcessor, ProcessedRequest
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import RequestStatus
@@ -131,6 +138,14 @@ class LLMEngine:
         self.num_failed_steps = 0
         self.weight_version = 0  # +1 per successful update_params
         self._pending: list[RequestOutput] = []  # outputs of requests update_params failed
+        self.grammars = None  # structured_output.GrammarCompiler (llguidance), with a tokenizer
+        if tokenizer is not None:
+            from jaxserve.structured_output import GrammarCompiler
+
+            self.grammars = GrammarCompiler(tokenizer, self.config.model.vocab_size,
+                                            self.eos_token_ids)
+        # request_id -> (request, its grammar's future): held until the grammar is compiled
+        self._awaiting_grammar: dict[str, tuple[ProcessedRequest, concurrent.futures.Future]] = {}
         if warmup:
             self.runner.warmup(progress=progress)
 
@@ -150,6 +165,29 @@ class LLMEngine:
         """
         p = self.inputs.process(request_id, prompt, params, messages=messages, priority=priority,
                                 arrival_time=arrival_time, is_live=self.outputs.is_live)
+        so = p.children[0].sampling_params.structured_outputs
+        if so is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs needs a tokenizer, and this engine was "
+                                 "built without one")
+            fut = self.grammars.submit(so.spec)
+            if not fut.done():  # hold it; `_admit_compiled` queues it once compiled
+                self.outputs.add(p)
+                self._awaiting_grammar[p.request_id] = (p, fut)
+                self.prompt_tokens_total += len(p.prompt_token_ids)
+                return p.prompt_token_ids
+            self._attach_grammar(p, fut)  # a failed compile raises here: nothing queued
+        self._queue(p)
+        return p.prompt_token_ids
+
+    def _attach_grammar(self, p: ProcessedRequest, fut: concurrent.futures.Future) -> None:
+        compiled = fut.result()  # ValidationError / GrammarDeadEnd of the compile
+        for req in p.children:
+            req.grammar = compiled.new_matcher()
+
+    def _queue(self, p: ProcessedRequest, *, tracked: bool = False) -> None:
+        """Hand a processed request to the scheduler (and the output processor unless
+        `tracked`); all children or none."""
         added: list[str] = []
         try:
             for req in p.children:
@@ -159,9 +197,33 @@ class LLMEngine:
             for cid in added:
                 self.scheduler.abort(cid)
             raise
-        self.outputs.add(p)
-        self.prompt_tokens_total += len(p.prompt_token_ids)
-        return p.prompt_token_ids
+        if not tracked:
+            self.outputs.add(p)
+            self.prompt_tokens_total += len(p.prompt_token_ids)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the held requests whose grammar is ready; fail those whose compile (or
+        admission) failed. Waits up to 5 ms for one only when nothing else can run."""
+        held = self._awaiting_grammar
+        if not self.scheduler.has_unfinished_requests():
+            concurrent.futures.wait([f for _, f in held.values()], timeout=0.005,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        failed: list[str] = []
+        for rid, (p, fut) in list(held.items()):
+            if not fut.done():
+                continue
+            del held[rid]
+            try:
+                self._attach_grammar(p, fut)
+                self._queue(p, tracked=True)
+            except Exception as e:
+                # Never seen by the scheduler, so the engine ends it (the scheduler owns
+                # the status of the requests it holds, and holds none of these).
+                for req in p.children:
+                    req.status = RequestStatus.FINISHED_ERROR
+                failed += self.outputs.fail([c.request_id for c in p.children],
+                                            f"structured output: {type(e).__name__}: {e}")
+        return self.outputs.collect(failed)
 
     # -------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -174,6 +236,8 @@ class LLMEngine:
         running request is recomputed too. The engine itself stays usable.
         """
         pending, self._pending = self._pending, []
+        if self._awaiting_grammar:
+            pending += self._admit_compiled()
         return pending + self._step()
 
     def _step(self) -> list[RequestOutput]:
@@ -202,6 +266,8 @@ class LLMEngine:
         sampled = {rid: r for rid, r in results.items() if isinstance(r, SampledToken)}
         self.scheduler.update_from_output(out, {rid: t.token_id for rid, t in sampled.items()})
         changed += self.outputs.process_tokens(sampled, time.monotonic())
+        if self.grammars is not None and self.grammars.num_compiled:
+            changed += self.outputs.advance_grammars(sampled)
         return self.outputs.collect(changed)
 
     # -------------------------------------------------------------- weights
@@ -242,6 +308,7 @@ class LLMEngine:
         children = self.outputs.pop(request_id)
         if children is None:
             return False
+        self._awaiting_grammar.pop(request_id, None)  # held for its grammar: never queued
         for req in children:
             self.scheduler.abort(req.request_id)
         self.num_aborted += 1

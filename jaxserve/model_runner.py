@@ -273,26 +273,29 @@ class ModelRunner:
         The whole batch is built in one call; only when that raises is each
         row tried by itself, and the failing ones become padding rows.
         """
-        M = self.config.scheduler.max_model_len
+        M, V = self.config.scheduler.max_model_len, self.cfg.vocab_size
         rows: list[SamplingRow | None] = []
         for sr in out.scheduled:
             r = requests[sr.request_id]
             rows.append(SamplingRow(params=r.sampling_params, seed=r.seed, output_pos=sr.output_pos,
                                     prompt_token_ids=r.prompt_token_ids,
                                     output_token_ids=r.output_token_ids,
-                                    eos_token_ids=r.eos_token_ids))
+                                    eos_token_ids=r.eos_token_ids,
+                                    grammar=r.grammar if sr.sample else None))  # fills its bitmask
         try:
-            return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M), {}
+            return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M,
+                                          vocab_size=V), {}
         except Exception:  # find the rows at fault; the rest of the batch goes on
             pass
         errors: dict[str, RowError] = {}
         for i, sr in enumerate(out.scheduled):
             try:
-                make_sampling_metadata([rows[i]], num_rows=1, max_model_len=M)
+                make_sampling_metadata([rows[i]], num_rows=1, max_model_len=M, vocab_size=V)
             except Exception as e:
                 errors[sr.request_id] = RowError(f"{type(e).__name__}: {e}")
                 rows[i] = None
-        return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M), errors
+        return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M,
+                                      vocab_size=V), errors
 
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, RowResult]:
         """Run one step (see `jaxserve.runner.Runner.execute`).

@@ -171,6 +171,38 @@ class OutputProcessor:
         if req.is_finished and c.stop_reason is None:
             c.stop_reason = req.stop_reason
 
+    def advance_grammars(self, sampled: dict[str, SampledToken]) -> list[str]:
+        """Advance the grammar matcher of each structured-output sample by its accepted
+        token (after `process_tokens`); returns the parents it finished.
+
+        A grammar that is complete (nothing may follow) finishes a live request with
+        "stop", its last token's text kept; a token the grammar rejects (a dead end, e.g.
+        the only allowed token was suppressed) finishes it with "error" and says why.
+        """
+        parents = []
+        for cid, tok in sampled.items():
+            if cid not in self._child_of:
+                continue
+            c = self._child(cid)
+            g = c.request.grammar
+            if g is None:
+                continue
+            ok = g.accept(tok.token_id)
+            if c.request.is_finished:  # EOS, length, a stop string or an error: done anyway
+                continue
+            if ok and not g.is_terminated:
+                continue
+            if ok:
+                self.scheduler.finish_requests([cid], RequestStatus.FINISHED_STOPPED)
+            else:
+                c.error = (f"structured output ({g.spec.kind}): token {tok.token_id} does not "
+                           f"continue the grammar (dead end): {g.error}")
+                self.scheduler.finish_requests([cid], RequestStatus.FINISHED_ERROR)
+            if c.detok is not None:
+                c.delta_text += c.detok.update([], finished=True).delta_text
+            parents.append(self._child_of[cid][0])
+        return parents
+
     def collect(self, parent_ids: Iterable[str]) -> list[RequestOutput]:
         """One `RequestOutput` per parent (deduplicated, in order), deltas since the last one;
         a finished parent is forgotten."""

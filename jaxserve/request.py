@@ -81,7 +81,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "arrival_time", "priority", "max_tokens", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "status", "stop_reason", "num_preemptions", "num_step_retries",
-                 "seed",
+                 "seed", "grammar",
                  "block_hashes", "_stop_ids", "_eos_ids", "__weakref__")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -105,6 +105,9 @@ class Request:
         self.num_step_retries = 0  # whole-step failures this request was retried after
         seed = sampling_params.seed
         self.seed: int = _SEED_RNG.getrandbits(63) if seed is None else seed
+        # Structured output: a `jaxserve.structured_output.GrammarMatcher`, set by the engine
+        # before the request reaches the scheduler; advanced only by accepted tokens.
+        self.grammar = None
         # Prefix-cache hash of each full block of all_token_ids, filled lazily by
         # the KV cache manager (chain: hash(parent hash, block tokens)).
         self.block_hashes: list[bytes] = []

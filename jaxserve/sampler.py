@@ -6,6 +6,11 @@ pytree structure is the same for every batch: rows that use no penalty still car
 a (filled with -1) token history.
 
 Semantics follow vLLM (`vllm/v1/sample/sampler.py`):
+  -1. structured output: a per-row allowed-token bitmask i32[S, ceil(V/32)] (bit t % 32
+     of word t // 32 = token t; -1 words = all allowed, so rows without a grammar cost
+     nothing) sets disallowed logits to -inf before everything else, as vLLM applies
+     its grammar bitmask to the logits before the sampler; a [S, 0] bitmask means no
+     mask at all (callers that never use grammars);
   0. logit_bias (OpenAI): a per-row [S, 300] (id, bias) pair added to the logits
      (padding entries add 0 to id 0), so any bias is data and never recompiles;
   1. repetition penalty on prompt+output tokens, then frequency/presence penalties
@@ -16,7 +21,9 @@ Semantics follow vLLM (`vllm/v1/sample/sampler.py`):
      computed on the top-k-renormalised distribution), min-p (Nguyen et al. 2024), then
      draw one token by inverse-CDF sampling with a per-row key.
 Logprobs follow vLLM's `logprobs_mode`: "raw_logprobs" (default) is the model's raw
-distribution (log_softmax of the unmodified logits); "processed_logprobs" is the
+distribution (log_softmax of the logits before logit_bias, penalties and filters, but
+after the grammar bitmask, as in vLLM V1, whose sampler receives the masked logits:
+a disallowed id reports -inf); "processed_logprobs" is the
 distribution actually sampled from, after penalties, min_tokens suppression,
 temperature and top-k/top-p/min-p (greedy rows are neither temperature-scaled nor
 top-k/top-p filtered), which RL importance ratios at temperature != 1 need; ids the
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +88,7 @@ class SamplingMetadata:
     suppress_ids: jax.Array  # i32[S, SUPPRESS_WIDTH]; ids masked to -inf (min_tokens), -1 = none
     logit_bias_ids: jax.Array  # i32[S, MAX_LOGIT_BIAS]; biased ids, padding entries 0
     logit_bias_values: jax.Array  # f32[S, MAX_LOGIT_BIAS]; added to the logits, padding 0
+    allowed_bitmask: jax.Array  # i32[S, ceil(V/32)] (or [S, 0]: no mask); -1 = all allowed
 
 
 @jax.tree_util.register_dataclass
@@ -108,6 +117,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: tuple[int, ...] = ()
+    grammar: Any = None  # a structured_output.GrammarMatcher: fills this row's bitmask
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -148,7 +158,8 @@ def _fill_token_lists(i: int, row: SamplingRow, max_model_len: int, history: np.
 
 
 def make_sampling_metadata(
-    rows: Sequence[SamplingRow | None], *, num_rows: int, max_model_len: int
+    rows: Sequence[SamplingRow | None], *, num_rows: int, max_model_len: int,
+    vocab_size: int | None = None,
 ) -> SamplingMetadata:
     """Build padded NumPy sampling arrays for one step.
 
@@ -157,6 +168,8 @@ def make_sampling_metadata(
         padding rows: greedy, no penalty, no suppression.
       num_rows: S_pad, the bucketed row count (>= len(rows)).
       max_model_len: width of the token history; prompt+output of a penalised row must fit.
+      vocab_size: V of the allowed-token bitmask [S, ceil(V/32)] (all ones except the
+        rows whose `grammar` fills theirs); None: a [S, 0] bitmask (no grammar rows).
 
     Returns:
       SamplingMetadata with NumPy leaves of the shapes documented on the class.
@@ -164,7 +177,9 @@ def make_sampling_metadata(
     Raises:
       ValueError: len(rows) > num_rows, a seed outside [0, 2**64), a negative output_pos,
         more than MAX_EOS_TOKEN_IDS eos ids, more than MAX_LOGIT_BIAS logit_bias entries,
-        or a penalised row whose history exceeds max_model_len.
+        a penalised row whose history exceeds max_model_len, or a grammar row without
+        vocab_size.
+      structured_output.GrammarDeadEnd: a grammar row with no allowed token.
     """
     if len(rows) > num_rows:
         raise ValueError(f"len(rows)={len(rows)} exceeds num_rows={num_rows}")
@@ -185,6 +200,7 @@ def make_sampling_metadata(
     suppress = np.full((S, SUPPRESS_WIDTH), -1, np.int32)
     bias_ids = np.zeros((S, MAX_LOGIT_BIAS), np.int32)
     bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
+    bitmask = np.full((S, 0 if vocab_size is None else (vocab_size + 31) // 32), -1, np.int32)
     for i, row in enumerate(rows):
         if row is None:
             continue
@@ -208,11 +224,28 @@ def make_sampling_metadata(
         rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         _fill_token_lists(i, row, max_model_len, history, prompt_lens, suppress, bias_ids,
                           bias_values)
+        if row.grammar is not None:
+            if vocab_size is None:
+                raise ValueError(f"rows[{i}] has a grammar but make_sampling_metadata got no "
+                                 "vocab_size for the bitmask")
+            row.grammar.fill_bitmask(bitmask[i])
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng_key=rng_key,
         output_pos=output_pos, repetition_penalty=rep, presence_penalty=pres,
         frequency_penalty=freq, token_history=history, prompt_lens=prompt_lens,
-        suppress_ids=suppress, logit_bias_ids=bias_ids, logit_bias_values=bias_values)
+        suppress_ids=suppress, logit_bias_ids=bias_ids, logit_bias_values=bias_values,
+        allowed_bitmask=bitmask)
+
+
+def apply_bitmask(x: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Set to -inf the logits x (f32[S, V]) whose bit in bitmask (i32[S, ceil(V/32)]) is 0.
+
+    Bit t % 32 of word t // 32 is token t (llguidance's and xgrammar's layout).
+    """
+    S, V = x.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(S, -1)[:, :V] != 0
+    return jnp.where(allowed, x, -jnp.inf)
 
 
 def apply_penalties(x: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -392,6 +425,14 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
     if top_window < 1:
         raise ValueError(f"top_window={top_window} must be >= 1")
     logits = logits.astype(jnp.float32)
+    W = md.allowed_bitmask.shape[1]
+    if W:  # static: [S, 0] means this caller never masks
+        if W != (V + 31) // 32:
+            raise ValueError(f"md.allowed_bitmask.shape={md.allowed_bitmask.shape} must be "
+                             f"[S, ceil(V/32)={(V + 31) // 32}]")
+        # Skipped when every word is -1 (no grammar row in the batch): one [S, W] reduction.
+        logits = jax.lax.cond(jnp.all(md.allowed_bitmask == -1), lambda: logits,
+                              lambda: apply_bitmask(logits, md.allowed_bitmask))
     # logit_bias first (vLLM applies it with min_tokens, before penalties); ids are < V by
     # validation, and padding entries add 0 to id 0.
     bias_rows = jnp.broadcast_to(jnp.arange(S)[:, None], md.logit_bias_ids.shape)

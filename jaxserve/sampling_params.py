@@ -13,6 +13,10 @@ stops a request (EOS or a stop token id) is not part of the output text unless
 token ids before penalties and filtering (vLLM's order); a dict, stored as
 sorted (id, bias) pairs.
 
+`structured_outputs` (vLLM's `StructuredOutputsParams`: json / regex / choice /
+grammar / json_object; a dict of those fields is accepted) constrains the output
+to a grammar (`jaxserve.structured_output`).
+
 The rules live in `jaxserve.validation` (the one validator); construction
 runs the model-free ones, `LLMEngine.add_request` the model-dependent ones.
 """
@@ -56,6 +60,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # a {token id: bias} dict is accepted
+    structured_outputs: Any = None  # StructuredOutputsParams | None (a dict is accepted)
 
     def __post_init__(self):
         # Normalise list inputs to tuples (the dataclass is frozen and hashable).
@@ -64,6 +69,11 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "logit_bias", normalize_logit_bias(self.logit_bias))
+        if isinstance(self.structured_outputs, dict):
+            from jaxserve.structured_output import StructuredOutputsParams
+
+            object.__setattr__(self, "structured_outputs",
+                               StructuredOutputsParams(**self.structured_outputs))
         validate_sampling_params(self)
 
     @property

@@ -9,7 +9,9 @@ server (model-dependent part, against `Limits`).
 
 A rule is any object with `check(obj, limits)` that reads its field off
 `obj` (a `SamplingParams` or a pydantic request body) and raises
-`ValidationError`. New fields (issue 17: `logit_bias`, `response_format`,
+`ValidationError`. Structured output (`StructuredOutputs`, `body_structured_outputs`)
+is checked with llguidance's own grammar validator, so a bad schema, regex or
+grammar is rejected here, before anything is queued. New fields (issue 17: `logit_bias`, `response_format`,
 `priority`) are one more entry in a rule tuple, not a new code path.
 
 Semantics follow vLLM where it has them: `top_k >= vocab_size` is "no top-k"
@@ -299,6 +301,43 @@ class LogitBias:
                                       f"the bias must be a number in [{-L:g}, {L:g}]")
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """`SamplingParams.structured_outputs`: None or a `StructuredOutputsParams` whose spec
+    llguidance accepts (`jaxserve.structured_output.check_spec`, cached per spec)."""
+
+    field: str = "structured_outputs"
+
+    def check(self, obj: Any, limits: Limits | None) -> None:
+        v = getattr(obj, self.field)
+        if v is None:
+            return
+        from jaxserve.structured_output import StructuredOutputsParams, check_spec
+
+        if not isinstance(v, StructuredOutputsParams):
+            raise ValidationError(self.field, v, "must be a StructuredOutputsParams (or a dict "
+                                  "of its fields) or None")
+        check_spec(v.spec, f"{self.field}.{v.spec.kind}")
+
+
+@dataclass(frozen=True)
+class StructuredBody:
+    """The structured-output fields of an HTTP body (response_format, guided_json /
+    _regex / _choice / _grammar, structured_outputs): at most one, well-formed, and a spec
+    llguidance accepts (`jaxserve.structured_output.body_structured_outputs`)."""
+
+    field: str = "response_format"
+
+    def check(self, obj: Any, limits: Limits | None) -> None:
+        from jaxserve.structured_output import body_structured_outputs
+
+        body_structured_outputs(obj)
+
+
+# The structured-output fields of an HTTP body (checked together: they conflict).
+STRUCTURED_BODY_RULES: tuple[Rule, ...] = (StructuredBody(),)
+
+
 def check_token_ids(field: str, ids: Sequence[Any], limits: Limits | None) -> None:
     """Each id is an int in [0, vocab_size) (or [0, int32) without limits).
 
@@ -354,6 +393,7 @@ SAMPLING_RULES: tuple[Rule, ...] = (
     Flag("include_stop_str_in_output"),
     Flag("skip_special_tokens"),
     LogitBias("logit_bias"),
+    StructuredOutputs("structured_outputs"),
     Check("min_tokens", _min_le_max),
     Check("seed", _seed_room),
 )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -29,6 +29,7 @@ from jaxserve.runner import RowError, RowResult, RunnerStats, SampledToken
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.scheduler.scheduler import Scheduler
+from jaxserve.structured_output import GrammarDeadEnd
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
@@ -116,6 +117,9 @@ class FakeRunner:
         matches (fault injection: a failed device step).
       fail_row: a predicate; a matching row gets a RowError (a failed row).
       kv_lost_on_reset: what `reset()` reports (a failed step lost the KV cache).
+      vocab_size: V of a structured-output row's bitmask; with it, a row whose request
+        has a grammar obeys its mask: the scripted token if allowed, else the next
+        allowed id above it (cyclically), as a masked sampler would pick some allowed id.
     """
 
     def __init__(self, scheduler: Scheduler | None = None, *, token_fn: TokenFn | None = None,
@@ -124,7 +128,8 @@ class FakeRunner:
                  max_blocks_per_seq: int | None = None, build_batches: bool = False,
                  check_invariants: bool = False, on_step: Callable[[StepResult], None] | None = None,
                  step_delay: float = 0.0, fail_step: RequestPredicate | None = None,
-                 fail_row: RequestPredicate | None = None, kv_lost_on_reset: bool = False):
+                 fail_row: RequestPredicate | None = None, kv_lost_on_reset: bool = False,
+                 vocab_size: int | None = None):
         self.scheduler = scheduler
         self.token_fn = token_fn or (lambda req, pos: default_token(req.request_id, pos))
         if scheduler is not None:
@@ -145,6 +150,7 @@ class FakeRunner:
         self.step_delay = step_delay
         self.fail_step, self.fail_row = fail_step, fail_row
         self.kv_lost_on_reset = kv_lost_on_reset
+        self.vocab_size = vocab_size
         self.num_resets = 0
         self.last_batch: BatchArrays | None = None
         self.finished: dict[str, Request] = {}
@@ -160,6 +166,7 @@ class FakeRunner:
                              "device memory to size the pool from)")
         sc = config.scheduler
         kw.setdefault("max_logprobs", config.max_logprobs)
+        kw.setdefault("vocab_size", config.model.vocab_size)
         return cls(num_kv_blocks=config.cache.num_kv_blocks, bucket_policy=BucketPolicy.from_config(sc),
                    block_size=config.cache.block_size,
                    max_blocks_per_seq=-(-sc.max_model_len // config.cache.block_size), **kw)
@@ -190,7 +197,10 @@ class FakeRunner:
             if self.fail_row is not None and self.fail_row(req):
                 results[sr.request_id] = RowError("scripted request failure")
             elif sr.sample:
-                results[sr.request_id] = self._token(req, sr.output_pos)
+                try:
+                    results[sr.request_id] = self._token(req, sr.output_pos)
+                except GrammarDeadEnd as e:  # this row alone fails, as in ModelRunner
+                    results[sr.request_id] = RowError(f"{type(e).__name__}: {e}")
         if self.step_delay:
             time.sleep(self.step_delay)
         st = self._stats
@@ -201,11 +211,25 @@ class FakeRunner:
 
     def _token(self, req: Request, pos: int) -> SampledToken:
         t = self.token_fn(req, pos)
+        if req.grammar is not None and self.vocab_size:
+            t = self._obey_grammar(req, t)
         if isinstance(t, SampledToken):
             return t
         t = int(t)
         return SampledToken(t, 0.0, np.full(self.max_logprobs, t, np.int32),
                             np.zeros(self.max_logprobs, np.float32))
+
+    def _obey_grammar(self, req: Request, t: "int | SampledToken") -> "int | SampledToken":
+        V = self.vocab_size
+        row = np.zeros((V + 31) // 32, np.int32)
+        req.grammar.fill_bitmask(row)  # GrammarDeadEnd when nothing is allowed
+        allowed = np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:V])[0]
+        tid = t.token_id if isinstance(t, SampledToken) else int(t)
+        if tid in allowed:
+            return t
+        later = allowed[allowed > tid]
+        new = int(later[0] if later.size else allowed[0])
+        return replace(t, token_id=new) if isinstance(t, SampledToken) else new
 
     def reset(self) -> bool:
         """Counts the call; returns `kv_lost_on_reset`."""

@@ -5,6 +5,10 @@ The models follow the OpenAI REST reference for `/v1/completions` and
 min_tokens, ignore_eos, repetition_penalty, stop_token_ids,
 include_stop_str_in_output, priority) accepted in the same body, and OpenAI's
 `logit_bias` ({"token id": bias}, checked by `jaxserve.validation.LogitBias`).
+Structured output on both endpoints: OpenAI's `response_format` (text, json_object,
+json_schema), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar` and its newer `structured_outputs` object; at most one of them
+(`jaxserve.validation.StructuredBody`).
 vLLM's /tokenize and /detokenize bodies are here too (`TokenizeRequest`,
 `DetokenizeRequest`). Models are
 `strict`: a JSON value of the wrong type (a string for `max_tokens`, `true` for
@@ -25,8 +29,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.validation import (PRIORITY_RULES, Limits, TokenIds, ValidationError, run_rules,
-                                 validate_sampling_params)
+from jaxserve.structured_output import body_structured_outputs
+from jaxserve.validation import (PRIORITY_RULES, STRUCTURED_BODY_RULES, Limits, TokenIds,
+                                 ValidationError, run_rules, validate_sampling_params)
 
 # Most choices (prompts x n) one HTTP request may ask for: a bound on the
 # work one body can enqueue, so a single request cannot flood the scheduler.
@@ -101,6 +106,13 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    # structured output (OpenAI's response_format; vLLM's guided_* and structured_outputs)
+    response_format: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -141,7 +153,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -234,7 +245,7 @@ def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest) -> list[dict
 
 
 # Body fields that are not SamplingParams fields, checked by the same validator.
-BODY_RULES = PRIORITY_RULES
+BODY_RULES = PRIORITY_RULES + STRUCTURED_BODY_RULES
 
 
 # Most ids one /detokenize body may carry: a bound on the work of one request.
@@ -283,7 +294,8 @@ def _build_params(req: _SamplingFields, *, max_tokens: int | None, max_tokens_fi
             frequency_penalty=req.frequency_penalty, seed=req.seed, stop=tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias)
+            skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
+            structured_outputs=body_structured_outputs(req))
         return validate_sampling_params(params, limits)
     except ValidationError as e:
         raise validation_error(e, rename={"max_tokens": max_tokens_field}) from e
@@ -327,9 +339,6 @@ def chat_params(req: ChatCompletionRequest, *, served_model_names: list[str],
     _check_common(req, served_model_names, limits)
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, f"response_format={req.response_format!r} is not supported "
-                       "(only type 'text')", param="response_format")
     logprobs = None
     if req.top_logprobs is not None:
         if not req.logprobs:
