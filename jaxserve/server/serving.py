@@ -30,6 +30,7 @@ from jaxserve.server.async_engine import (AddRequestError, AsyncEngine, Completi
 from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                       chat_messages, chat_params, check_num_choices,
                                       completion_params, normalize_prompts, validation_error)
+from jaxserve.structured_output import structured_sources
 from jaxserve.validation import Limits, ValidationError, validate_prompt
 
 # How often a non-streaming handler asks whether its client is still there (s).
@@ -89,6 +90,12 @@ class _Acc:
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
+
+
+def _structured_field(req: Any) -> str:
+    """The body field that asked for structured output (for a compile error's `param`)."""
+    src = structured_sources(req)
+    return src[0][0].split(".", 1)[0] if src else "structured_outputs"
 
 
 def _guess_param(msg: str) -> str | None:
@@ -170,6 +177,18 @@ class OpenAIServing:
                 self._token_str[token_id] = s
         return s
 
+    async def _compile_grammar(self, params: Any, field: str) -> None:
+        """Compile a structured-output spec before the 200 (the engine's cached compiler,
+        off the event loop): an error only the tokenizer reveals is a 400 naming `field`."""
+        so = params.structured_outputs
+        grammars = getattr(self.engine.engine, "grammars", None)
+        if so is None or grammars is None:
+            return
+        try:
+            await asyncio.wrap_future(grammars.submit(so.spec))
+        except Exception as e:  # ValidationError, GrammarDeadEnd
+            raise APIError(400, f"{field}: {e}", param=field) from e
+
     async def _submit(self, reqs: list[EngineRequest]) -> RequestGroup:
         self._require_ready()
         try:
@@ -244,6 +263,7 @@ class OpenAIServing:
                                         else f"prompt[{i}]")
                     except ValidationError as e:
                         raise validation_error(e) from e
+        await self._compile_grammar(params, _structured_field(req))
         base = f"cmpl-{uuid.uuid4().hex}"
         reqs = [EngineRequest(f"{base}-{i}", p, params, priority=req.priority)
                 for i, p in enumerate(prompts)]
@@ -311,6 +331,7 @@ class OpenAIServing:
         params = chat_params(req, served_model_names=self.model_names,
                              max_logprobs=self.max_logprobs, limits=self.limits)
         messages = chat_messages(req)
+        await self._compile_grammar(params, _structured_field(req))
         base = f"chatcmpl-{uuid.uuid4().hex}"
         group = await self._submit([EngineRequest(base, None, params, messages=messages,
                                                   priority=req.priority)])
