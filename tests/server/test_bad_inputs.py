@@ -76,7 +76,7 @@ BAD = [
     ("chat_top_logprobs_without_logprobs", CHAT, _m(top_logprobs=2), "top_logprobs"),
     ("chat_top_logprobs_too_many", CHAT, _m(logprobs=True, top_logprobs=10**4), "top_logprobs"),
     ("chat_tools", CHAT, _m(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    ("chat_json_mode", CHAT, _m(response_format={"type": "json_object"}), "response_format"),
+    ("chat_response_format_xml", CHAT, _m(response_format={"type": "xml"}), "response_format"),
     ("chat_n_17", CHAT, _m(n=17), "n"),
     ("chat_unknown_model", CHAT, _m(model="nope"), "model"),
     ("chat_too_long", CHAT, _m(messages=[{"role": "user", "content": "y" * 200}]), "prompt"),
