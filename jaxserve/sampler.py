@@ -6,25 +6,27 @@ pytree structure is the same for every batch: rows that use no penalty still car
 a (filled with -1) token history.
 
 Semantics follow vLLM (`vllm/v1/sample/sampler.py`):
-  -1. structured output: a per-row allowed-token bitmask i32[S, ceil(V/32)] (bit t % 32
-     of word t // 32 = token t; -1 words = all allowed, so rows without a grammar cost
-     nothing) sets disallowed logits to -inf before everything else, as vLLM applies
-     its grammar bitmask to the logits before the sampler; a [S, 0] bitmask means no
-     mask at all (callers that never use grammars);
   0. logit_bias (OpenAI): a per-row [S, 300] (id, bias) pair added to the logits
      (padding entries add 0 to id 0), so any bias is data and never recompiles;
   1. repetition penalty on prompt+output tokens, then frequency/presence penalties
      on output-token counts (CTRL, Keskar et al. 2019; OpenAI API);
   2. stop/EOS ids suppressed while a request has fewer than `min_tokens` outputs;
+  2b. structured output: a per-row allowed-token bitmask i32[S, ceil(V/32)] (bit t % 32
+     of word t // 32 = token t; -1 words allow everything) sets disallowed logits to
+     -inf, under a `lax.cond` skipped when the whole batch is -1 (rows without a
+     grammar); a [S, 0] bitmask means no mask at all. It comes after 0-2 only because
+     -inf is a fixed point of bias, penalties and suppression (the same result as
+     vLLM's masking before its sampler) and masking the raw input measured 1.5-2x
+     slower at S=32 on XLA:CPU (notes/structured_output.md); it is before
+     temperature/top-k/top-p/min-p and greedy, so every sampled id is allowed;
   3. greedy rows (temperature < 1e-5 or top_k == 1) take argmax, ties to the lowest id;
   4. sampled rows: divide by temperature, top-k, top-p (nucleus, Holtzman et al. 2020,
      computed on the top-k-renormalised distribution), min-p (Nguyen et al. 2024), then
      draw one token by inverse-CDF sampling with a per-row key.
 Logprobs follow vLLM's `logprobs_mode`: "raw_logprobs" (default) is the model's raw
-distribution (log_softmax of the logits before logit_bias, penalties and filters, but
-after the grammar bitmask, as in vLLM V1, whose sampler receives the masked logits:
-a disallowed id reports -inf); "processed_logprobs" is the
-distribution actually sampled from, after penalties, min_tokens suppression,
+distribution (log_softmax of the unmodified logits; the grammar mask, like the
+penalties, is processing and is not in it); "processed_logprobs" is the distribution
+actually sampled from, after penalties, min_tokens suppression, the grammar mask,
 temperature and top-k/top-p/min-p (greedy rows are neither temperature-scaled nor
 top-k/top-p filtered), which RL importance ratios at temperature != 1 need; ids the
 filters removed get -inf. Processed mode always builds the filtered [S, V] logits.
@@ -430,9 +432,6 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
         if W != (V + 31) // 32:
             raise ValueError(f"md.allowed_bitmask.shape={md.allowed_bitmask.shape} must be "
                              f"[S, ceil(V/32)={(V + 31) // 32}]")
-        # Skipped when every word is -1 (no grammar row in the batch): one [S, W] reduction.
-        logits = jax.lax.cond(jnp.all(md.allowed_bitmask == -1), lambda: logits,
-                              lambda: apply_bitmask(logits, md.allowed_bitmask))
     # logit_bias first (vLLM applies it with min_tokens, before penalties); ids are < V by
     # validation, and padding entries add 0 to id 0.
     bias_rows = jnp.broadcast_to(jnp.arange(S)[:, None], md.logit_bias_ids.shape)
@@ -446,6 +445,9 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
     sup_rows = jnp.broadcast_to(jnp.arange(S)[:, None], md.suppress_ids.shape)
     sup_idx = jnp.where(md.suppress_ids >= 0, md.suppress_ids, V)
     x = x.at[sup_rows, sup_idx].set(-jnp.inf, mode="drop")
+    if W:
+        x = jax.lax.cond(jnp.all(md.allowed_bitmask == -1), lambda: x,
+                         lambda: apply_bitmask(x, md.allowed_bitmask))
     # top_k == 1 is greedy too, so that ties go to the lowest id exactly as temperature=0 (C20).
     greedy = (md.temperature < SAMPLING_EPS) | (md.top_k == 1)
     greedy_ids = _argmax_lowest(x)

@@ -284,11 +284,11 @@ class GrammarMatcher:
         """
         m = self._m
         if m.is_error():
-            raise GrammarDeadEnd(f"structured output ({self.spec.kind}) failed: {m.get_error()}")
+            raise GrammarDeadEnd(f"structured output ({self.spec.kind}) failed: {self.error}")
         m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         if m.is_error() or not row.any():
             raise GrammarDeadEnd(f"structured output ({self.spec.kind}) reached a dead end: no "
-                                 f"token can continue the output ({m.get_error() or 'empty mask'})")
+                                 f"token can continue the output ({self.error or 'empty mask'})")
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False when the grammar rejects it."""
@@ -301,7 +301,9 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
-        return self._m.get_error()
+        """llguidance's error, first line (its message goes on with a state dump), or ""."""
+        err = self._m.get_error().strip()
+        return err.splitlines()[0][:300] if err else ""
 
 
 class _Compiled:

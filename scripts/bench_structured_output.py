@@ -9,6 +9,10 @@ so the first mask is part of what a request waits for). Mask = one step's fill o
 rows (R = 8, 32), each row a matcher part-way through its own output, sequential
 (`fill_next_token_bitmask`) and with llguidance's thread pool (`LLExecutor`).
 --outlines also times outlines-core (JSON schema / regex only; it has no CFG).
+--sampler: the "no cost when unused" A/B in one process: the jitted sampler at V=49152
+with no bitmask input ([S, 0], the branch point's program), with an all-ones bitmask
+(every engine step now), and with one grammar row; plus the host cost of building the
+sampling metadata with and without the bitmask.
 """
 
 from __future__ import annotations
@@ -79,12 +83,69 @@ def _walk(matcher, rng, steps: int, V: int):
 matcher_eos = [0]
 
 
+def bench_sampler() -> None:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.sampler import SamplingRow, make_sampling_metadata, sample
+    from jaxserve.sampling_params import SamplingParams
+
+    V = 49152
+    for S in (8, 32):
+        rng = np.random.default_rng(0)
+        logits = jnp.asarray(rng.normal(size=(S, V)).astype(np.float32))
+        rows = [SamplingRow(SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i), seed=i,
+                            output_pos=0, prompt_token_ids=[1, 2, 3], output_token_ids=[])
+                for i in range(S)]
+        fn = jax.jit(functools.partial(sample, max_logprobs=0))
+        md_none = make_sampling_metadata(rows, num_rows=S, max_model_len=512)
+        md_ones = make_sampling_metadata(rows, num_rows=S, max_model_len=512, vocab_size=V)
+        bm = md_ones.allowed_bitmask.copy()
+        bm[0, 100:] = 0
+        md_one = md_ones.__class__(**{**md_ones.__dict__, "allowed_bitmask": bm})
+        variants = {"no bitmask input ([S,0], branch point)": md_none,
+                    "all-ones bitmask (no grammar row)": md_ones,
+                    "one grammar row": md_one}
+        dev = {k: jax.device_put(v) for k, v in variants.items()}
+        for v in dev.values():
+            fn(logits, v).token_ids.block_until_ready()
+        times = {k: [] for k in dev}
+        for _ in range(30):  # interleaved: same load for every variant
+            for k, v in dev.items():
+                t0 = time.perf_counter()
+                fn(logits, v).token_ids.block_until_ready()
+                times[k].append(1e6 * (time.perf_counter() - t0))
+        for k, t in times.items():
+            print(f"sampler S={S:2d} V={V}: {k:40s} median {statistics.median(t):8.0f} us")
+        for label, kw in (("host metadata without bitmask", {}),
+                          ("host metadata with all-ones bitmask", {"vocab_size": V})):
+            t = []
+            for _ in range(200):
+                t0 = time.perf_counter()
+                make_sampling_metadata(rows, num_rows=S, max_model_len=512, **kw)
+                t.append(1e6 * (time.perf_counter() - t0))
+            print(f"host S={S:2d}: {label:40s} median {statistics.median(t):8.1f} us")
+        t = []
+        for _ in range(50):  # device_put of the extra [S, 1536] int32 input
+            t0 = time.perf_counter()
+            jax.device_put(md_ones.allowed_bitmask).block_until_ready()
+            t.append(1e6 * (time.perf_counter() - t0))
+        print(f"host S={S:2d}: {'device_put of the bitmask alone':40s} median {statistics.median(t):8.1f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--outlines", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sampler", action="store_true")
     args = ap.parse_args()
     print("load:", os.getloadavg())
+    if args.sampler:
+        bench_sampler()
+        print("load:", os.getloadavg())
+        return
     from jaxserve.checkpoint.loader import load_tokenizer
     from jaxserve import structured_output as so
 

@@ -129,8 +129,8 @@ def _unpack(bitmask, V):
 
 def test_sampler_bitmask_against_numpy():
     """Masked greedy = NumPy argmax over allowed ids; random rows draw only allowed ids;
-    raw logprobs are log_softmax of the masked logits (vLLM V1: the sampler sees masked
-    logits); all-ones rows are untouched; a [S, 0] mask is no mask."""
+    raw logprobs are log_softmax of the unmasked logits, processed ones of the masked
+    (disallowed ids -inf); all-ones rows are untouched; a [S, 0] mask is no mask."""
     from jaxserve.sampler import SamplingRow, make_sampling_metadata, sample
 
     S, V = 6, 101
@@ -149,7 +149,7 @@ def test_sampler_bitmask_against_numpy():
     fn = jax.jit(functools.partial(sample, max_logprobs=3))
     allowed = _unpack(bm, V).astype(bool)
     masked = np.where(allowed, logits, -np.inf)
-    ref_lp = masked - masked.max(1, keepdims=True)
+    ref_lp = logits - logits.max(1, keepdims=True)
     ref_lp -= np.log(np.exp(ref_lp).sum(1, keepdims=True))
     for pos in range(20):  # random rows at 20 output positions
         md = md.__class__(**{**md.__dict__, "output_pos": np.full(S, pos, np.int32)})
@@ -161,6 +161,11 @@ def test_sampler_bitmask_against_numpy():
         assert ids[1] == 69
         np.testing.assert_allclose(out.logprobs, ref_lp[np.arange(S), ids], rtol=1e-5, atol=1e-5)
     assert ids[4] == int(np.argmax(logits[4]))  # an all-ones row is unmasked
+    proc = jax.device_get(jax.jit(functools.partial(
+        sample, max_logprobs=3, logprobs_mode="processed_logprobs"))(jnp.asarray(logits), md))
+    assert proc.top_ids[1, 0] == 69 and proc.top_logprobs[1, 0] == 0.0
+    assert np.isneginf(proc.top_logprobs[1, 1:]).all()  # the only allowed id has all the mass
+    assert proc.token_ids[1] == 69
     md0 = make_sampling_metadata(rows, num_rows=S, max_model_len=8)  # no vocab_size: [S, 0]
     assert md0.allowed_bitmask.shape == (S, 0)
     out0 = jax.device_get(fn(jnp.asarray(logits), md0))
