@@ -256,6 +256,12 @@ def body_structured_outputs(body: Any) -> Any:
     return StructuredOutputsParams(**{kind: value})
 
 
+def is_grammar_error(message: str | None) -> bool:
+    """Whether a request's error message is a structured-output failure (its grammar, not
+    the server: the server answers it with a 400, not a 500)."""
+    return "structured output" in (message or "")
+
+
 class GrammarDeadEnd(RuntimeError):
     """A grammar row has no allowed token (or its matcher rejected a token): the
     request cannot go on and finishes with finish_reason "error" and this message."""
@@ -343,7 +349,11 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) 
             self.special_token_ids = list(getattr(tokenizer, "all_special_ids", ()))
 
         def __call__(self, s):
-            return tokenizer.encode(s if isinstance(s, str) else s.decode("utf-8", "replace"))
+            # llguidance tokenizes forced text with this; a lossy encoding (an <unk> for a
+            # character the vocabulary lacks) would make it allow the wrong token.
+            text = s if isinstance(s, str) else s.decode("utf-8", "replace")
+            ids = tokenizer.encode(text)
+            return ids if tokenizer.decode(ids, skip_special_tokens=False) == text else []
 
     return LLTokenizer(TokenizerWrapper(_Tokens()), n_vocab=vocab_size, eos_token=eos)
 

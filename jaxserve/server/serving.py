@@ -30,7 +30,7 @@ from jaxserve.server.async_engine import (AddRequestError, AsyncEngine, Completi
 from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                       chat_messages, chat_params, check_num_choices,
                                       completion_params, normalize_prompts, validation_error)
-from jaxserve.structured_output import structured_sources
+from jaxserve.structured_output import is_grammar_error, structured_sources
 from jaxserve.validation import Limits, ValidationError, validate_prompt
 
 # How often a non-streaming handler asks whether its client is still there (s).
@@ -73,6 +73,8 @@ class _Acc:
         out = []
         for c in d.outputs:
             if c.finish_reason == "error":
+                if is_grammar_error(c.error):  # the request's grammar reached a dead end
+                    raise APIError(400, f"request failed: {c.error}")
                 raise APIError(500, f"request failed inside the engine: {c.error}",
                                err_type="server_error")
             idx = self.prompt_index[d.request_id] * self.n + c.index

@@ -115,6 +115,8 @@ BAD = [
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "conflicts with"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
      "conflicts with response_format"),
+    # valid grammar, but no token of this vocabulary can write it: known before the 200
+    ({"guided_choice": ["\u00e9t\u00e9"]}, "guided_choice", "dead end"),
 ]
 
 
@@ -128,6 +130,18 @@ def test_bad_structured_fields_are_400_naming_the_field(srv, endpoint, extra, pa
     err = r.json()["error"]
     assert err["param"] == param, err
     assert words in err["message"], err
+    healthy_probe(srv)
+
+
+@pytest.mark.skipif(ENGINE_KIND == "fake", reason="the FakeRunner does not apply min_tokens")
+def test_dead_end_at_run_time_is_a_400_and_the_server_keeps_serving(srv):
+    # After 'a' the grammar allows only 'b' and 'c', which min_tokens suppresses as stop ids.
+    b, c = ascii_tokenizer().encode("bc")
+    r = httpx.post(srv.url("/v1/completions"), json={
+        "model": MODEL, "prompt": "x", "max_tokens": 10, "temperature": 0, "min_tokens": 5,
+        "stop_token_ids": [b, c], "guided_regex": "a[bc]"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "dead end" in r.json()["error"]["message"]
     healthy_probe(srv)
 
 
