@@ -156,6 +156,10 @@ class LLMEngine:
                     arrival_time: float | None = None) -> list[int]:
         """Queue a request; return its prompt token ids.
 
+        A request with `structured_outputs` whose grammar is still compiling is held
+        by the engine (not the scheduler) and queued by the first `step()` after it
+        is ready; a compile that fails then ends it with finish_reason "error".
+
         Raises:
           ValueError: duplicate id, a bad sampling parameter, empty prompt, a
             token id outside the vocabulary, a prompt with no room for one
