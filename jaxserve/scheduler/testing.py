@@ -29,6 +29,7 @@ from jaxserve.runner import RowError, RowResult, RunnerStats, SampledToken
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.scheduler.scheduler import Scheduler
+from jaxserve.scoring import fake_scores, merge_scores, scoring_plan
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
@@ -116,6 +117,9 @@ class FakeRunner:
         matches (fault injection: a failed device step).
       fail_row: a predicate; a matching row gets a RowError (a failed row).
       kv_lost_on_reset: what `reset()` reports (a failed step lost the KV cache).
+      vocab_size: the id range of the scripted prompt-logprob alternatives
+        (`jaxserve.scoring.fake_scores`: scoring rows get hand-checkable scores).
+      score: whether `warmup()` reports score programs (prompt logprobs on).
     """
 
     def __init__(self, scheduler: Scheduler | None = None, *, token_fn: TokenFn | None = None,
@@ -124,7 +128,8 @@ class FakeRunner:
                  max_blocks_per_seq: int | None = None, build_batches: bool = False,
                  check_invariants: bool = False, on_step: Callable[[StepResult], None] | None = None,
                  step_delay: float = 0.0, fail_step: RequestPredicate | None = None,
-                 fail_row: RequestPredicate | None = None, kv_lost_on_reset: bool = False):
+                 fail_row: RequestPredicate | None = None, kv_lost_on_reset: bool = False,
+                 vocab_size: int = 1000, score: bool = True):
         self.scheduler = scheduler
         self.token_fn = token_fn or (lambda req, pos: default_token(req.request_id, pos))
         if scheduler is not None:
@@ -145,6 +150,7 @@ class FakeRunner:
         self.step_delay = step_delay
         self.fail_step, self.fail_row = fail_step, fail_row
         self.kv_lost_on_reset = kv_lost_on_reset
+        self.vocab_size, self.score = vocab_size, score
         self.num_resets = 0
         self.last_batch: BatchArrays | None = None
         self.finished: dict[str, Request] = {}
@@ -160,6 +166,8 @@ class FakeRunner:
                              "device memory to size the pool from)")
         sc = config.scheduler
         kw.setdefault("max_logprobs", config.max_logprobs)
+        kw.setdefault("vocab_size", config.model.vocab_size)
+        kw.setdefault("score", config.enable_prompt_logprobs)
         return cls(num_kv_blocks=config.cache.num_kv_blocks, bucket_policy=BucketPolicy.from_config(sc),
                    block_size=config.cache.block_size,
                    max_blocks_per_seq=-(-sc.max_model_len // config.cache.block_size), **kw)
@@ -168,7 +176,7 @@ class FakeRunner:
     def warmup(self, *, progress: bool = True) -> None:
         """Nothing to compile; reports the policy's programs (T_pad stacks + S_pad heads) as ready."""
         if self.bucket_policy is not None:
-            self._stats.warmup_programs = len(self.bucket_policy.program_keys())
+            self._stats.warmup_programs = len(self.bucket_policy.program_keys(score=self.score))
 
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, RowResult]:
         """Scripted tokens for the plan's sampling rows (see `jaxserve.runner.Runner`).
@@ -191,6 +199,10 @@ class FakeRunner:
                 results[sr.request_id] = RowError("scripted request failure")
             elif sr.sample:
                 results[sr.request_id] = self._token(req, sr.output_pos)
+        plan = scoring_plan(out, requests)
+        if plan is not None:
+            merge_scores(results, fake_scores(plan, vocab_size=self.vocab_size,
+                                              max_logprobs=self.max_logprobs))
         if self.step_delay:
             time.sleep(self.step_delay)
         st = self._stats
