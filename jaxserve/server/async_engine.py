@@ -72,6 +72,9 @@ class RequestDelta:
     metrics: RequestMetrics | None = None
     error: str | None = None
     status: int = 500
+    # The request's prompt logprobs (vLLM's list, None for the first token) once its
+    # prefill is done, when asked for (SamplingParams.prompt_logprobs); else None.
+    prompt_logprobs: list | None = None
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,8 @@ def _snapshot(out: RequestOutput) -> RequestDelta:
             stop_reason=c.stop_reason, error=c.error)
         for c in out.outputs)
     return RequestDelta(request_id=out.request_id, outputs=comps, finished=bool(out.finished),
-                        metrics=out.metrics if out.finished else None)
+                        metrics=out.metrics if out.finished else None,
+                        prompt_logprobs=out.prompt_logprobs)
 
 
 class AsyncEngine:
