@@ -253,6 +253,19 @@ class AsyncEngine:
             raise
         return group
 
+    async def call(self, fn: Callable[["LLMEngine"], Any]) -> Any:
+        """Run `fn(engine)` on the loop thread between steps (the engine is not
+        thread-safe) and return its result; its exception is re-raised here.
+
+        Raises:
+          RuntimeError: the engine is not ready.
+        """
+        if not self.is_ready:
+            raise RuntimeError(f"engine is {self.state}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, fut))
+        return await asyncio.wrap_future(fut)
+
     def _abort(self, request_ids: list[str]) -> None:
         self._commands.put(("abort", request_ids))
 
@@ -334,6 +347,13 @@ class AsyncEngine:
                             error="aborted by client", status=499))
         elif kind == "abort_all":
             self._abort_all(cmd[1], cmd[2])
+        elif kind == "call":
+            fut = cmd[2]
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(cmd[1](self.engine))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
 
     def _add_group(self, requests: list[EngineRequest], fut: concurrent.futures.Future) -> None:
         if not fut.set_running_or_notify_cancel():
