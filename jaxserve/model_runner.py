@@ -244,8 +244,10 @@ class ModelRunner:
         """Swap in new weights (a `Llama`, its `nnx.State` or a canonical tree) between steps.
 
         They go through the one `prepare_params`, then must match the live engine
-        layout leaf for leaf (shape, dtype, sharding), so every AOT program runs
-        them unchanged: nothing is recompiled. On any error the old weights stay.
+        layout leaf for leaf (shape, dtype); a leaf placed otherwise (e.g. on a
+        training mesh) is resharded to the engine's sharding with `jax.device_put`,
+        so every AOT program runs them unchanged: nothing is recompiled. On any
+        error the old weights stay.
 
         Raises:
           ValueError: a missing/extra/mis-shaped/non-floating leaf (from
@@ -256,12 +258,13 @@ class ModelRunner:
         new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
         if old_def != new_def:
             raise ValueError(f"update_params: tree structure {new_def} != engine's {old_def}")
+        placed = []
         for (path, o), (_, n) in zip(old_leaves, new_leaves):
-            if (o.shape, o.dtype, o.sharding) != (n.shape, n.dtype, n.sharding):
+            if (o.shape, o.dtype) != (n.shape, n.dtype):
                 raise ValueError(f"update_params: leaf {jax.tree_util.keystr(path)} is "
-                                 f"{n.shape} {n.dtype} on {n.sharding}, the engine's is "
-                                 f"{o.shape} {o.dtype} on {o.sharding}")
-        self.params = new
+                                 f"{n.shape} {n.dtype}, the engine's is {o.shape} {o.dtype}")
+            placed.append(n if n.sharding == o.sharding else jax.device_put(n, o.sharding))
+        self.params = jax.tree_util.tree_unflatten(old_def, placed)
 
     def stats(self) -> RunnerStats:
         """Programs built / loaded / late, compile and warm-up seconds, steps per shape."""
