@@ -207,3 +207,23 @@ def test_fake_runner_scores_chunks_and_preemptions_by_position():
             {t: -0.1 * (1 + t % 5), (t + 1) % V: -1.1, (t + 2) % V: -2.1})
     # Outputs before the prefill is complete carry no prompt logprobs.
     assert all(o.prompt_logprobs is None for o in outs if not o.outputs[0].token_ids)
+
+
+def test_fake_many_completions_of_shared_prompts_score_every_position():
+    """GRPO shape (prompts x 4 completions, block 16): rows sharing a prompt are admitted
+    a step later as cache hits; the hit must stop below the first scored position even
+    when the request's block-hash memo already holds more hashes (a deferred request)."""
+    config = make_engine_config(ModelConfig.tiny(), num_kv_blocks=2000, max_model_len=256,
+                                max_num_seqs=32, max_num_batched_tokens=256)
+    llm = LLM(engine=LLMEngine(config, tokenizer=None, runner=FakeRunner.for_config(config)))
+    rng = np.random.default_rng(0)
+    ps, cs = [], []
+    for _ in range(8):
+        p = rng.integers(3, V, 15).tolist()
+        for _ in range(4):
+            ps.append(p)
+            cs.append(rng.integers(3, V, 40).tolist())
+    sb = llm.score(ps, cs)
+    want = (-0.1 * (1 + np.array(cs) % 5)).astype(np.float32)
+    np.testing.assert_allclose(sb.logprobs, want, atol=1e-6)
+    assert llm.engine.scheduler.kv_cache_manager.prefix_cache_hits == 0  # (15 - 1) // 16 = 0

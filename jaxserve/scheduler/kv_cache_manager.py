@@ -133,7 +133,9 @@ class KVCacheManager:
             # here, so hits stop before it (vLLM skips the cache for prompt_logprobs).
             max_blocks = min(max_blocks, (request.logprob_start - 1) // self.block_size)
         hit = []
-        for h in self.block_hashes(request, max_blocks):
+        # [:max_blocks]: the memo may already hold more hashes (a deferred or preempted
+        # request's), which must not extend the hit past the cap.
+        for h in self.block_hashes(request, max_blocks)[:max_blocks]:
             b = self._cached.get(h)
             if b is None:
                 break
