@@ -34,7 +34,12 @@ def main() -> None:
     ap.add_argument("--max_num_batched_tokens", type=int, default=256)
     ap.add_argument("--compile_cache_dir", default="checkpoints/jax_compile_cache")
     ap.add_argument("--out", default=None, help="write the numbers as JSON here")
+    ap.add_argument("--compile_only", action="store_true",
+                    help="only time cold compiles (no compile cache) of every score program "
+                         "and of the largest stack program, for comparison")
     a = ap.parse_args()
+    if a.compile_only:
+        return compile_only(a)
 
     import jax
 
@@ -121,6 +126,38 @@ def main() -> None:
                                     + res["score"]["seconds"])
     res["per_step_fresh_engine_s"] = (res["fresh_start"]["start_s"] + res["fresh_rollout"]["seconds"]
                                       + res["fresh_score"]["seconds"])
+    res["load_after"] = os.getloadavg()
+    print(json.dumps(res, indent=2))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+def compile_only(a) -> None:
+    """Cold (no persistent cache) compile seconds of each ("score", T) program and of the
+    largest ("stack", T): what --enable_prompt_logprobs adds to a first start."""
+    from jaxserve.checkpoint import load_model
+    from jaxserve.engine import make_engine_config
+    from jaxserve.model_runner import ModelRunner
+    from jaxserve.scheduler.buckets import BucketPolicy
+
+    cfg, params, _ = load_model(a.model, progress=False)
+    config = make_engine_config(cfg, max_num_seqs=a.max_num_seqs,
+                                max_num_batched_tokens=a.max_num_batched_tokens)
+    policy = BucketPolicy.from_config(config.scheduler)
+    runner = ModelRunner(config, params, bucket_policy=policy)
+    res: dict = {"load_before": os.getloadavg(), "token_buckets": policy.token_buckets,
+                 "programs_without_score": len(policy.program_keys()),
+                 "programs_with_score": len(policy.program_keys(score=True)), "score_s": {}}
+    for t in policy.token_buckets:
+        t0 = time.perf_counter()
+        runner._build(("score", t))
+        res["score_s"][t] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    runner._build(("stack", policy.token_buckets[-1]))
+    res["largest_stack_s"] = time.perf_counter() - t0
+    res["score_total_s"] = sum(res["score_s"].values())
+    res["built_by_xla"] = runner.stats().programs_built
     res["load_after"] = os.getloadavg()
     print(json.dumps(res, indent=2))
     if a.out:
