@@ -46,6 +46,8 @@ flags.DEFINE_bool("unroll_layers", True, "Unroll the decoder layers in each step
                   "steps on CPU, ~2.5x longer compiles (false: lax.scan over stacked weights).")
 flags.DEFINE_bool("strict_compiles", False, "Refuse (fail the step) instead of compiling when a "
                   "step needs a program warm-up did not build.")
+flags.DEFINE_bool("enable_prompt_logprobs", True, "Build the score programs (one per token "
+                  "bucket) for prompt_logprobs and echo with logprobs; false: those are a 400.")
 flags.DEFINE_bool("static_batching", False, "Admit a batch and add nothing until all of it finishes.")
 flags.DEFINE_string("compile_cache_dir", "checkpoints/jax_compile_cache",
                     "Persistent JAX compilation cache ('' disables).")
@@ -73,6 +75,8 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
 flags.DEFINE_integer("port", 8000, "Port to bind.")
 flags.DEFINE_string("served_model_name", None, "Model name in the API (default: the file's stem).")
 flags.DEFINE_string("api_key", None, "Optional bearer token required on /v1 routes.")
+flags.DEFINE_string("allowed_weights_dir", None, "With --api_key: the only directory "
+                    "POST /admin/update_weights_from_disk may load checkpoints from.")
 flags.DEFINE_integer("max_queued_requests", None, "Most requests waiting to be scheduled; past "
                      "it new requests get 503 with Retry-After (default: unbounded).")
 
@@ -87,6 +91,7 @@ def engine_args_from_flags() -> dict[str, Any]:
         scheduling_policy=FLAGS.scheduling_policy, attention_backend=FLAGS.attention_backend,
         enable_prefix_caching=FLAGS.enable_prefix_caching, static_batching=FLAGS.static_batching,
         unroll_layers=FLAGS.unroll_layers, strict_compiles=FLAGS.strict_compiles,
+        enable_prompt_logprobs=FLAGS.enable_prompt_logprobs,
         kv_cache_memory_bytes=FLAGS.kv_cache_memory_mb * 2**20)
     if FLAGS.max_model_len is not None:
         args["max_model_len"] = FLAGS.max_model_len
@@ -229,7 +234,9 @@ def cmd_serve() -> int:
 
     serve(build_engine, host=FLAGS.host, port=FLAGS.port, api_key=FLAGS.api_key,
           max_queued_requests=FLAGS.max_queued_requests,
-          served_model_name=FLAGS.served_model_name)
+          served_model_name=FLAGS.served_model_name,
+          allowed_weights_dir=FLAGS.allowed_weights_dir,
+          params_cache_dir=FLAGS.params_cache_dir or None)
     return 0
 
 

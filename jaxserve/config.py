@@ -316,6 +316,9 @@ class EngineConfig:
     # Refuse (RuntimeError) a step whose program warm-up did not build, instead of
     # compiling it late with an ERROR log (on in the test suite).
     strict_compiles: bool = False
+    # Build the "score" programs (one per token bucket: LM head + log_softmax over every
+    # token row) for prompt_logprobs, echo with logprobs and LLM.score; off: those are a 400.
+    enable_prompt_logprobs: bool = True
 
     def __post_init__(self):
         _require(self.attention_backend in ("auto", "xla", "pallas", "pallas_mosaic",

@@ -33,7 +33,7 @@ from jaxserve.input_processor import InputProcessor, ProcessedRequest
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import RequestStatus
-from jaxserve.runner import RowError, Runner, SampledToken
+from jaxserve.runner import PromptLogprobs, RowError, Runner, SampledToken
 from jaxserve.sampler import MAX_EOS_TOKEN_IDS
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
@@ -153,12 +153,17 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, *,
                     messages: Sequence[dict[str, Any]] | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> list[int]:
+                    arrival_time: float | None = None, logprob_start: int | None = None
+                    ) -> list[int]:
         """Queue a request; return its prompt token ids.
 
         A request with `structured_outputs` whose grammar is still compiling is held
         by the engine (not the scheduler) and queued by the first `step()` after it
         is ready; a compile that fails then ends it with finish_reason "error".
+
+        `logprob_start` j (scoring, `LLM.score`): report the teacher-forced logprobs
+        of prompt tokens j.. (`RequestOutput.prompt_token_logprobs`), as
+        `SamplingParams.prompt_logprobs` does from j = 1.
 
         Raises:
           ValueError: duplicate id, a bad sampling parameter, empty prompt, a
@@ -168,7 +173,8 @@ class LLMEngine:
             request leaks nothing.
         """
         p = self.inputs.process(request_id, prompt, params, messages=messages, priority=priority,
-                                arrival_time=arrival_time, is_live=self.outputs.is_live)
+                                arrival_time=arrival_time, is_live=self.outputs.is_live,
+                                logprob_start=logprob_start)
         so = p.children[0].sampling_params.structured_outputs
         if so is not None:
             if self.grammars is None:
@@ -268,6 +274,9 @@ class LLMEngine:
             self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
             changed += self.outputs.fail([rid], err.message)
         sampled = {rid: r for rid, r in results.items() if isinstance(r, SampledToken)}
+        self.outputs.process_prompt_logprobs(
+            {rid: r.prompt if isinstance(r, SampledToken) else r for rid, r in results.items()
+             if isinstance(r, PromptLogprobs) or getattr(r, "prompt", None) is not None})
         self.scheduler.update_from_output(out, {rid: t.token_id for rid, t in sampled.items()})
         changed += self.outputs.process_tokens(sampled, time.monotonic())
         if self.grammars is not None and self.grammars.num_compiled:

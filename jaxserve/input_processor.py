@@ -21,7 +21,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.validation import Limits, validate_priority, validate_sampling_params
+from jaxserve.validation import Limits, is_int, validate_priority, validate_sampling_params
 
 
 @dataclass
@@ -59,15 +59,20 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | Sequence[int] | None,
                 params: SamplingParams | None, *, messages: Sequence[dict[str, Any]] | None,
                 priority: int, arrival_time: float | None,
-                is_live: Callable[[str], bool]) -> ProcessedRequest:
+                is_live: Callable[[str], bool], logprob_start: int | None = None
+                ) -> ProcessedRequest:
         """Validate and build the request's children.
 
         Args:
           is_live: whether an id already belongs to a live user or child request.
+          logprob_start: score prompt tokens from this index (`LLM.score`); else 1 when
+            `params.prompt_logprobs` is set. Only sample 0 of an n > 1 request scores
+            (the others may share the prompt's cached blocks).
         Raises:
           ValueError: a duplicate id, a bad sampling parameter, a prompt that is
             neither text, token ids nor messages, an empty prompt, a token id
-            outside the vocabulary, or stop strings without a tokenizer.
+            outside the vocabulary, stop strings without a tokenizer, or a
+            logprob_start outside [1, prompt length).
         """
         if is_live(request_id):
             raise ValueError(f"request_id={request_id!r} is already in use")
@@ -83,6 +88,12 @@ class InputProcessor:
             raise ValueError("the prompt is empty (0 tokens): give at least one token")
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (stop strings match text)")
+        if logprob_start is None and params.prompt_logprobs is not None:
+            logprob_start = 1
+        elif logprob_start is not None and not (is_int(logprob_start)
+                                                and 1 <= logprob_start < len(ids)):
+            raise ValueError(f"logprob_start={logprob_start!r} must be an int in [1, prompt "
+                             f"length={len(ids)}) (token j is scored by the logits at j - 1)")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i, cid in enumerate(child_ids):
@@ -90,7 +101,8 @@ class InputProcessor:
             if params.n > 1:
                 cp = params.replace(n=1, seed=None if params.seed is None else params.seed + i)
             children.append(Request(cid, ids, cp, eos_token_ids=self.eos_token_ids,
-                                    arrival_time=arrival, priority=priority))
+                                    arrival_time=arrival, priority=priority,
+                                    logprob_start=logprob_start if i == 0 else None))
         return ProcessedRequest(request_id, text, ids, children, arrival)
 
     def prompt_ids(self, prompt: str | Sequence[int] | None,

@@ -14,12 +14,13 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.input_processor import is_array, split_padded
-from jaxserve.outputs import RequestOutput, RolloutBatch, rollout_arrays
+from jaxserve.outputs import RequestOutput, RolloutBatch, ScoreBatch, rollout_arrays
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.validation import is_int
 
@@ -44,6 +45,25 @@ def _prompt_list(prompts: Any, lengths: Any, mask: Any) -> list:
     if lengths is not None or mask is not None:
         raise ValueError("prompt_lengths / prompt_mask go with a padded int[B, T] prompt array")
     return [prompts] if _is_single_prompt(prompts) else list(prompts)
+
+
+def _token_rows(x: Any, lengths: Any, name: str) -> list[list[int]]:
+    """Rows of token ids (lists of ints) from a padded int[B, T] array, a list of rows,
+    or one flat row."""
+    if is_array(x) and x.ndim == 2:
+        return [r.tolist() for r in split_padded(x, lengths=lengths)]
+    if lengths is not None:
+        raise ValueError(f"{name}: lengths go with a padded int[B, T] array")
+    rows = [x] if (is_array(x) and x.ndim == 1) or (
+        isinstance(x, Sequence) and len(x) > 0 and all(is_int(t) for t in x)) else list(x)
+    out = []
+    for i, r in enumerate(rows):
+        a = np.asarray(r)
+        if a.size and (a.ndim != 1 or not np.issubdtype(a.dtype, np.integer)):
+            raise ValueError(f"{name}[{i}] must be 1-D integer token ids, got shape {a.shape} "
+                             f"dtype {a.dtype}")
+        out.append([int(t) for t in a.reshape(-1)])
+    return out
 
 
 class LLM:
@@ -205,9 +225,17 @@ class LLM:
             prompts'; nothing is queued then.
         """
         ids = self._submit(prompts, sampling_params, prompt_lengths, prompt_mask, priority)
+        results = self._drain(ids, "generate", use_tqdm)
+        if return_arrays is not None:
+            return results, rollout_arrays(results, array=return_arrays)
+        return results
+
+    def _drain(self, ids: list[str], desc: str, use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request in `ids` finished; outputs in `ids` order
+        (an interrupted drain aborts the unfinished ones)."""
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+        with tqdm(total=len(ids), desc=desc, disable=not use_tqdm) as bar:
             try:
                 while any(r is None for r in results):
                     for out in self.engine.step():
@@ -218,6 +246,75 @@ class LLM:
                 for rid, r in zip(ids, results):
                     if r is None:
                         self.engine.abort(rid)
-        if return_arrays is not None:
-            return results, rollout_arrays(results, array=return_arrays)  # type: ignore[arg-type]
         return results  # type: ignore[return-value]
+
+    def score(self, prompt_ids: Any, completion_ids: Any, *, prompt_lengths: Any = None,
+              completion_lengths: Any = None, array: str = "numpy",
+              use_tqdm: bool = False) -> ScoreBatch:
+        """Teacher-forced logprobs of given completions (RL importance ratios, evaluation).
+
+        Row i runs prompt_ids[i] + completion_ids[i] through the same paged engine as
+        prefill work (batched, chunked by max_num_batched_tokens, bucketed; one greedy
+        token is sampled at the end and dropped), and reports
+        log_softmax(logits at position t - 1)[token t] for every completion token:
+        the model's raw distribution, so at temperature 1 with no filtering these equal
+        the `token_logprobs` that `generate` reported for a sampled completion.
+        Prompt positions may come from the prefix cache; completion positions never do.
+
+        Args:
+          prompt_ids, completion_ids: B rows each: lists of token ids, 1-D NumPy/jax
+            integer arrays, or one right-padded int[B, T] array (cut by
+            prompt_lengths / completion_lengths, int[B]). One flat list of ints is one row.
+          array: "numpy" or "jax" for the returned arrays.
+
+        Returns: `ScoreBatch` (logprobs f32[B, T], mask bool[B, T], lengths i32[B]).
+
+        Raises:
+          ValueError: different row counts, an empty prompt, a bad token id (naming the
+            row and position), prompt + completion >= max_model_len, scoring off
+            (enable_prompt_logprobs=False).
+          RuntimeError: a row's request failed in the engine (e.g. a weight update).
+        """
+        if array not in ("numpy", "jax"):
+            raise ValueError(f"array={array!r} must be 'numpy' or 'jax'")
+        if not self.engine.config.enable_prompt_logprobs:
+            raise ValueError("score() needs an engine built with enable_prompt_logprobs=True")
+        prompts = _token_rows(prompt_ids, prompt_lengths, "prompt_ids")
+        comps = _token_rows(completion_ids, completion_lengths, "completion_ids")
+        if len(prompts) != len(comps):
+            raise ValueError(f"{len(prompts)} prompt rows but {len(comps)} completion rows")
+        greedy_one = SamplingParams(max_tokens=1, temperature=0.0)
+        ids, rows = [], []
+        try:
+            for i, (p, c) in enumerate(zip(prompts, comps)):
+                if not p:
+                    raise ValueError(f"prompt_ids[{i}] is empty: the first completion token "
+                                     "is scored by the logits after at least one prompt token")
+                if not c:
+                    continue  # nothing to score: an all-padding row
+                rid = f"score-{next(self._ids)}"
+                try:
+                    self.engine.add_request(rid, p + c, greedy_one, logprob_start=len(p))
+                except ValueError as e:
+                    raise ValueError(f"row {i} (prompt_ids[{i}] + completion_ids[{i}]): {e}") from e
+                ids.append(rid)
+                rows.append(i)
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        outs = self._drain(ids, "score", use_tqdm)
+        L = max((len(c) for c in comps), default=0)
+        lps = np.zeros((len(comps), L), np.float32)
+        lengths = np.array([len(c) for c in comps], np.int32)
+        for i, o in zip(rows, outs):
+            err = o.outputs[0].error
+            if err is not None or o.prompt_token_logprobs is None:
+                raise RuntimeError(f"score row {i} failed: {err}")
+            lps[i, :lengths[i]] = o.prompt_token_logprobs[len(prompts[i]):]
+        host = (lps, np.arange(L)[None, :] < lengths[:, None], lengths)
+        if array == "jax":
+            import jax
+
+            host = jax.device_put(host)
+        return ScoreBatch(*host)

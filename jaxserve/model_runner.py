@@ -42,6 +42,7 @@ from jaxserve.model.attention import AttentionBackend, CommonAttentionMetadata, 
 from jaxserve.model.llama import compute_logits, paged_attn, prepare_params, run_layers
 from jaxserve.request import Request
 from jaxserve.runner import RowError, RowResult, RunnerStats, SampledToken
+from jaxserve.scoring import merge_scores, scoring_plan, split_scores
 from jaxserve.sampler import SamplingMetadata, SamplingRow, make_sampling_metadata, sample
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
@@ -150,11 +151,27 @@ class StepBatch:
 
 def _stack_fn(cfg: ModelConfig, backend: AttentionBackend, params, kv_cache, batch: StepBatch):
     """Layer-stack program (one per T_pad): the decoder over the padded tokens, then the
-    final-normed hidden rows at logits_indices, f32/cfg.dtype [S_max, E]. `batch.sampling`
-    is None here. Equals `llama.forward_paged` up to the LM head."""
+    final-normed hidden rows at logits_indices, f32/cfg.dtype [S_max, E], the cache, and
+    all final-normed hidden rows [T_pad, E] (the score program's input; they stay on the
+    device). `batch.sampling` is None here. Equals `llama.forward_paged` up to the LM head."""
     hidden, kv_cache = run_layers(cfg, params, batch.input_ids, batch.positions,
                                   paged_attn(cfg, batch.attn_md, backend), kv_cache)
-    return hidden[batch.logits_indices], kv_cache
+    return hidden[batch.logits_indices], kv_cache, hidden
+
+
+def _score_fn(cfg: ModelConfig, k: int, params, hidden, targets):
+    """Score program (one per T_pad, only in steps with scoring rows): LM head over every
+    hidden row [T_pad, E], log_softmax, then each row's target logprob f32[T_pad] and the
+    top-k ids i32[T_pad, k] / logprobs f32[T_pad, k] (k = max_logprobs; raw logprobs, as
+    vLLM's prompt_logprobs). `targets` i32[T_pad] (`jaxserve.scoring.ScoringPlan`)."""
+    logits = compute_logits(cfg, params, hidden)  # f32[T_pad, V]
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [T_pad]
+    tgt = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    if k == 0:
+        t = logits.shape[0]
+        return tgt, jnp.zeros((t, 0), jnp.int32), jnp.zeros((t, 0), jnp.float32)
+    top_l, top_i = jax.lax.top_k(logits, k)
+    return tgt, top_i.astype(jnp.int32), top_l - lse[:, None]
 
 
 def _head_fn(cfg: ModelConfig, max_logprobs: int, logprobs_mode: str, params, rows,
@@ -202,7 +219,9 @@ class ModelRunner:
                                   donate_argnums=(1,))
         self._head_jit = jax.jit(functools.partial(_head_fn, self.cfg, config.max_logprobs,
                                                    config.logprobs_mode))
-        # ("stack", T_pad) and ("head", S_pad) -> jax.stages.Compiled
+        self.score_enabled = config.enable_prompt_logprobs
+        self._score_jit = jax.jit(functools.partial(_score_fn, self.cfg, config.max_logprobs))
+        # ("stack", T_pad), ("head", S_pad) and ("score", T_pad) -> jax.stages.Compiled
         self._programs: dict[tuple[str, int], Any] = {}
         self._warm = False
         self._stats = RunnerStats()
@@ -225,8 +244,10 @@ class ModelRunner:
         """Swap in new weights (a `Llama`, its `nnx.State` or a canonical tree) between steps.
 
         They go through the one `prepare_params`, then must match the live engine
-        layout leaf for leaf (shape, dtype, sharding), so every AOT program runs
-        them unchanged: nothing is recompiled. On any error the old weights stay.
+        layout leaf for leaf (shape, dtype); a leaf placed otherwise (e.g. on a
+        training mesh) is resharded to the engine's sharding with `jax.device_put`,
+        so every AOT program runs them unchanged: nothing is recompiled. On any
+        error the old weights stay.
 
         Raises:
           ValueError: a missing/extra/mis-shaped/non-floating leaf (from
@@ -237,12 +258,13 @@ class ModelRunner:
         new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
         if old_def != new_def:
             raise ValueError(f"update_params: tree structure {new_def} != engine's {old_def}")
+        placed = []
         for (path, o), (_, n) in zip(old_leaves, new_leaves):
-            if (o.shape, o.dtype, o.sharding) != (n.shape, n.dtype, n.sharding):
+            if (o.shape, o.dtype) != (n.shape, n.dtype):
                 raise ValueError(f"update_params: leaf {jax.tree_util.keystr(path)} is "
-                                 f"{n.shape} {n.dtype} on {n.sharding}, the engine's is "
-                                 f"{o.shape} {o.dtype} on {o.sharding}")
-        self.params = new
+                                 f"{n.shape} {n.dtype}, the engine's is {o.shape} {o.dtype}")
+            placed.append(n if n.sharding == o.sharding else jax.device_put(n, o.sharding))
+        self.params = jax.tree_util.tree_unflatten(old_def, placed)
 
     def stats(self) -> RunnerStats:
         """Programs built / loaded / late, compile and warm-up seconds, steps per shape."""
@@ -311,14 +333,22 @@ class ModelRunner:
         results: dict[str, RowResult] = dict(errors)
         if len(errors) == len(out.scheduled):
             return results  # nothing left to compute
+        plan = scoring_plan(out, requests)
+        if plan is not None and not self.score_enabled:
+            for rid, *_ in plan.spans:
+                results.setdefault(rid, RowError("prompt logprobs need an engine started with "
+                                                 "enable_prompt_logprobs=True"))
+            plan = None
         stack = self._program(("stack", out.token_bucket))
         head = self._program(("head", out.seq_bucket))
+        score = self._program(("score", out.token_bucket)) if plan is not None else None
         dev = jax.device_put(host)
-        rows, self.kv_cache = stack(self.params, self.kv_cache,
-                                    dataclasses.replace(dev, sampling=None))
+        rows, self.kv_cache, hidden = stack(self.params, self.kv_cache,
+                                            dataclasses.replace(dev, sampling=None))
         res = head(self.params, rows, dev.sampling)  # rows [S_max, E] never leave the device
-        ids, lps, top_ids, top_lps = jax.device_get(
-            (res.token_ids, res.logprobs, res.top_ids, res.top_logprobs))
+        scored = () if score is None else score(self.params, hidden, jax.device_put(plan.targets))
+        ids, lps, top_ids, top_lps, scored = jax.device_get(
+            (res.token_ids, res.logprobs, res.top_ids, res.top_logprobs, scored))
         st = self._stats
         st.num_steps += 1
         shape = (out.token_bucket, out.seq_bucket)
@@ -327,6 +357,8 @@ class ModelRunner:
             if sr.sample and sr.request_id not in errors:
                 results[sr.request_id] = SampledToken(int(ids[i]), float(lps[i]), top_ids[i],
                                                       top_lps[i])
+        if plan is not None:
+            merge_scores(results, split_scores(plan, *scored))
         return results
 
     # -------------------------------------------------------- programs
@@ -338,19 +370,26 @@ class ModelRunner:
 
     def _build(self, key: tuple[str, int]) -> Any:
         """Lower and compile (or load from the persistent cache) one program:
-        ("stack", T_pad) or ("head", S_pad)."""
+        ("stack", T_pad), ("head", S_pad) or ("score", T_pad)."""
         family, size = key
-        t_pad, s_pad = (size, self.max_seq_bucket) if family == "stack" else (1, size)
+        t_pad, s_pad = (1, size) if family == "head" else (size, self.max_seq_bucket)
         host = self._padding_batch(t_pad, s_pad)
         t0, hits0 = time.perf_counter(), CacheHits.count()
         if family == "stack":
             lowered = self._stack_jit.lower(self.params, self.kv_cache,
                                             dataclasses.replace(host, sampling=None))
+        elif family == "score":
+            rows = self._rows_spec()
+            lowered = self._score_jit.lower(
+                self.params, jax.ShapeDtypeStruct((t_pad, rows.shape[1]), rows.dtype),
+                jax.ShapeDtypeStruct((t_pad,), jnp.int32))
         else:
             lowered = self._head_jit.lower(self.params, self._rows_spec(), host.sampling)
         program = lowered.compile()
         st = self._stats
-        st.compile_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        st.compile_seconds += dt
+        st.compile_seconds_by_family[family] = st.compile_seconds_by_family.get(family, 0.0) + dt
         if CacheHits.count() > hits0:
             st.programs_loaded += 1
         else:
@@ -384,13 +423,14 @@ class ModelRunner:
 
     def warmup(self, *, progress: bool = True) -> None:
         """Build (or load) every program the bucket policy can request
-        (`BucketPolicy.program_keys()`: T_pad stacks + S_pad heads).
+        (`BucketPolicy.program_keys()`: T_pad stacks + S_pad heads, and T_pad score
+        programs with `enable_prompt_logprobs`).
 
         Each is lowered on an all-padding batch (every token writes to the null
         block, no sequence is real), which has exactly the shapes and pytree
         structure of a real step.
         """
-        keys = self.bucket_policy.program_keys()
+        keys = self.bucket_policy.program_keys(score=self.score_enabled)
         st = self._stats
         built0, loaded0, t0 = st.programs_built, st.programs_loaded, time.perf_counter()
         for key in tqdm(keys, desc="warm-up (compile buckets)", disable=not progress):

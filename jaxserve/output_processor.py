@@ -15,11 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import numpy as np
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.input_processor import ProcessedRequest
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import SampledToken
+from jaxserve.runner import PromptLogprobs, SampledToken
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.scheduler.scheduler import Scheduler
 
@@ -44,12 +45,31 @@ class _Child:
 
 
 @dataclass
+class _PromptScores:
+    """Prompt logprobs of one user request, stored by prompt index (chunks and re-prefills
+    after a preemption write their own indices; a rewrite is the same value)."""
+
+    start: int                 # first scored prompt index (>= 1)
+    k: int | None              # SamplingParams.prompt_logprobs; None: scores only (LLM.score)
+    logprobs: np.ndarray       # f32[P], NaN until scored
+    top_ids: np.ndarray        # i32[P, k]
+    top_logprobs: np.ndarray   # f32[P, k]
+    done: np.ndarray           # bool[P]
+    entries: list[dict[int, float] | None] | None = None  # built once complete
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.done[self.start:].all())
+
+
+@dataclass
 class _Parent:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[_Child]
     metrics: RequestMetrics
+    scores: _PromptScores | None = None
 
 
 class OutputProcessor:
@@ -80,6 +100,13 @@ class OutputProcessor:
             self._child_of[req.request_id] = (p.request_id, i)
         self._parents[p.request_id] = _Parent(p.request_id, p.prompt, p.prompt_token_ids, children,
                                               RequestMetrics(p.arrival_time))
+        start = p.children[0].logprob_start
+        if start is not None:
+            P, k = len(p.prompt_token_ids), p.children[0].sampling_params.prompt_logprobs
+            w = k or 0
+            self._parents[p.request_id].scores = _PromptScores(
+                start, k, np.full(P, np.nan, np.float32), np.zeros((P, w), np.int32),
+                np.zeros((P, w), np.float32), np.zeros(P, bool))
 
     def is_live(self, request_id: str) -> bool:
         """A live user request id or child id."""
@@ -122,6 +149,34 @@ class OutputProcessor:
                 self._child(cid).error = message
                 parents.append(self._child_of[cid][0])
         return parents
+
+    def process_prompt_logprobs(self, scored: dict[str, PromptLogprobs]) -> None:
+        """Store one step's prompt logprobs by index (before `process_tokens`, so the
+        output that carries the first token carries them complete)."""
+        for cid, pl in scored.items():
+            if cid not in self._child_of:
+                continue
+            sc = self._parent(cid).scores
+            if sc is None:
+                continue
+            sl = slice(pl.start, pl.start + len(pl.logprobs))
+            sc.logprobs[sl] = pl.logprobs
+            w = sc.top_ids.shape[1]
+            sc.top_ids[sl] = pl.top_ids[:, :w]
+            sc.top_logprobs[sl] = pl.top_logprobs[:, :w]
+            sc.done[sl] = True
+
+    @staticmethod
+    def _prompt_entries(sc: _PromptScores, prompt: list[int]) -> list[dict[int, float] | None]:
+        """vLLM's prompt_logprobs list: None before `start`, else {token: lp, top-k...}."""
+        if sc.entries is None:
+            out: list[dict[int, float] | None] = [None] * sc.start
+            for j in range(sc.start, len(prompt)):
+                e = {int(t): float(v) for t, v in zip(sc.top_ids[j], sc.top_logprobs[j])}
+                e[prompt[j]] = float(sc.logprobs[j])
+                out.append(e)
+            sc.entries = out
+        return sc.entries
 
     def process_tokens(self, sampled: dict[str, SampledToken], now: float) -> list[str]:
         """Apply one step's tokens (the scheduler has appended them); returns the parents
@@ -216,7 +271,13 @@ class OutputProcessor:
             if finished:
                 p.metrics.finished_time = time.monotonic()
                 self.pop(pid)
-            outs.append(RequestOutput(pid, p.prompt, p.prompt_token_ids, comps, finished, p.metrics))
+            ro = RequestOutput(pid, p.prompt, p.prompt_token_ids, comps, finished, p.metrics)
+            sc = p.scores
+            if sc is not None and sc.complete:
+                ro.prompt_token_logprobs = sc.logprobs
+                if sc.k is not None:
+                    ro.prompt_logprobs = self._prompt_entries(sc, p.prompt_token_ids)
+            outs.append(ro)
         return outs
 
     @staticmethod

@@ -90,6 +90,13 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # With SamplingParams.prompt_logprobs=k (vLLM): one entry per prompt token, None for
+    # the first, else {prompt token id: logprob, + the top-k alternatives}; set from the
+    # first output whose prefill is done. None when not asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # f32[P]: the teacher-forced logprob of each prompt token (NaN where not scored: index
+    # 0, and below `logprob_start` for `LLM.score`); None when not asked for.
+    prompt_token_logprobs: np.ndarray | None = None
 
     @property
     def num_generated_tokens(self) -> int:
@@ -118,6 +125,22 @@ class RolloutBatch:
     lengths: Any
     prompt_index: Any
     finish_reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ScoreBatch:
+    """Teacher-forced logprobs of a batch of completions (`LLM.score`), right-padded.
+
+    Fields:
+      logprobs: f32[B, T] log p(completion[i][t] | prompt[i] + completion[i][:t]) under
+        the model's raw distribution; 0.0 at padding. T = the longest completion.
+      mask: bool[B, T] True on completion tokens (a prefix of each row).
+      lengths: i32[B] completion lengths (0 allowed).
+    """
+
+    logprobs: Any
+    mask: Any
+    lengths: Any
 
 
 def _ends_with_stop_token(c: CompletionOutput) -> bool:

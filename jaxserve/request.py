@@ -69,6 +69,10 @@ class Request:
       arrival_time: seconds (time.monotonic); now when None. Ties in the
         priority policy are broken by it.
       priority: lower value runs first under the "priority" policy.
+      logprob_start: None, or the first prompt index j >= 1 whose teacher-forced
+        logprob this request must report (prompt_logprobs: 1; `LLM.score`: the
+        completion's first index). Positions it needs are never prefix-cache
+        hits (`KVCacheManager.get_computed_blocks`).
       max_tokens: effective output limit. None takes
         `sampling_params.max_tokens`; the scheduler then clamps it to
         `max_model_len - num_prompt_tokens` (None means exactly that).
@@ -81,13 +85,13 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "arrival_time", "priority", "max_tokens", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "status", "stop_reason", "num_preemptions", "num_step_retries",
-                 "seed", "grammar",
+                 "seed", "grammar", "logprob_start",
                  "block_hashes", "_stop_ids", "_eos_ids", "__weakref__")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, eos_token_ids: Sequence[int] = (),
                  arrival_time: float | None = None, priority: int = 0,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, logprob_start: int | None = None):
         self.request_id = request_id
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -103,6 +107,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.num_step_retries = 0  # whole-step failures this request was retried after
+        self.logprob_start = logprob_start
         seed = sampling_params.seed
         self.seed: int = _SEED_RNG.getrandbits(63) if seed is None else seed
         # Structured output: a `jaxserve.structured_output.GrammarMatcher`, set by the engine

@@ -21,13 +21,31 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Teacher-forced logprobs of prompt tokens start .. start + m - 1 (prompt indices),
+    from the rows of one step (a chunk yields its own positions; a re-prefill after a
+    preemption yields the same positions again, so the receiver stores them by index).
+
+    Prompt token j's logprob comes from the logits at position j - 1, so j >= 1.
+    Always the model's raw distribution (log_softmax of the logits), as in vLLM.
+    """
+
+    start: int
+    logprobs: np.ndarray      # f32[m] logprob of each prompt token
+    top_ids: np.ndarray       # i32[m, max_logprobs]
+    top_logprobs: np.ndarray  # f32[m, max_logprobs]
+
+
+@dataclass(frozen=True)
 class SampledToken:
-    """One sampled token for one row: id, its raw logprob, and top alternatives."""
+    """One sampled token for one row: id, its raw logprob, and top alternatives;
+    `prompt` holds the row's prompt logprobs when it was a scoring row."""
 
     token_id: int
     logprob: float
     top_ids: np.ndarray      # i32[max_logprobs]
     top_logprobs: np.ndarray  # f32[max_logprobs]
+    prompt: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -38,7 +56,9 @@ class RowError:
     message: str
 
 
-RowResult = Union[SampledToken, RowError]
+# A row that samples gives a SampledToken; a scoring row that does not sample (a prefill
+# chunk) gives its PromptLogprobs alone.
+RowResult = Union[SampledToken, RowError, PromptLogprobs]
 
 
 @dataclass
@@ -52,6 +72,7 @@ class RunnerStats:
       programs_built: programs XLA compiled in this process (persistent-cache misses).
       programs_loaded: programs loaded from the persistent compile cache.
       compile_seconds: wall seconds spent lowering + compiling/loading programs.
+      compile_seconds_by_family: the same split by family ("stack", "head", "score").
       late_compiles: programs a step needed that warm-up had not built.
       steps_by_shape: {(T_pad, S_pad): steps run at that shape}.
     """
@@ -62,6 +83,7 @@ class RunnerStats:
     programs_built: int = 0
     programs_loaded: int = 0
     compile_seconds: float = 0.0
+    compile_seconds_by_family: dict[str, float] = field(default_factory=dict)
     late_compiles: int = 0
     steps_by_shape: dict[tuple[int, int], int] = field(default_factory=dict)
 
@@ -85,8 +107,10 @@ class Runner(Protocol):
         Args:
           out: the scheduler's plan; requests: request_id -> Request for its rows.
         Returns: request_id -> SampledToken for every row with `sample=True`
-          whose host work succeeded, and request_id -> RowError for every row
-          (sampling or not) whose own host work failed.
+          whose host work succeeded (its `.prompt` set when the row scored
+          prompt positions), request_id -> PromptLogprobs for a non-sampling row
+          that scored prompt positions (`jaxserve.scoring.score_span`), and
+          request_id -> RowError for every row whose own host work failed.
         Raises: any failure of the whole step (device error, bad plan); the
           caller then calls `reset()` and retries the step's rows once.
         """

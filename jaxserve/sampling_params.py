@@ -57,6 +57,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM: None, or k >= 0 top alternatives per prompt token (the prompt token itself is
+    # always included; the first prompt token has None). Teacher-forced, raw logprobs.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # a {token id: bias} dict is accepted

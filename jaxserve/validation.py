@@ -79,12 +79,15 @@ class Limits:
       max_model_len: positions of one request (prompt + output).
       max_logprobs: most top-logprobs one request may ask for.
       scheduling_policy: "fcfs" or "priority" (a non-zero priority needs "priority").
+      enable_prompt_logprobs: the engine built its score programs (prompt_logprobs,
+        echo with logprobs); off, asking for them is an error naming the flag.
     """
 
     vocab_size: int
     max_model_len: int
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"
+    enable_prompt_logprobs: bool = True
 
     @classmethod
     def from_config(cls, config: Any) -> "Limits":
@@ -93,7 +96,8 @@ class Limits:
         return cls(vocab_size=int(config.model.vocab_size),
                    max_model_len=int(config.scheduler.max_model_len),
                    max_logprobs=int(getattr(config, "max_logprobs", 20)),
-                   scheduling_policy=str(getattr(config.scheduler, "policy", "fcfs")))
+                   scheduling_policy=str(getattr(config.scheduler, "policy", "fcfs")),
+                   enable_prompt_logprobs=bool(getattr(config, "enable_prompt_logprobs", True)))
 
 
 class Rule(Protocol):
@@ -367,6 +371,13 @@ def _logprobs_hi(lim: Limits) -> tuple[int, str]:
     return lim.max_logprobs, "max_logprobs"
 
 
+def _prompt_logprobs_on(p: Any, lim: Limits | None):
+    if lim is not None and p.prompt_logprobs is not None and not lim.enable_prompt_logprobs:
+        return p.prompt_logprobs, ("needs an engine started with --enable_prompt_logprobs "
+                                   "(EngineConfig.enable_prompt_logprobs=True)")
+    return None
+
+
 def _len_hi(lim: Limits) -> tuple[int, str]:
     return lim.max_model_len, "max_model_len"
 
@@ -390,12 +401,14 @@ SAMPLING_RULES: tuple[Rule, ...] = (
     TokenIds("stop_token_ids", MAX_STOP_TOKEN_IDS),
     Flag("ignore_eos"),
     Range("logprobs", int, 0, nullable=True, model_hi=_logprobs_hi),
+    Range("prompt_logprobs", int, 0, nullable=True, model_hi=_logprobs_hi),
     Flag("include_stop_str_in_output"),
     Flag("skip_special_tokens"),
     LogitBias("logit_bias"),
     StructuredOutputs("structured_outputs"),
     Check("min_tokens", _min_le_max),
     Check("seed", _seed_room),
+    Check("prompt_logprobs", _prompt_logprobs_on),
 )
 
 

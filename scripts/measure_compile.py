@@ -62,7 +62,7 @@ def median_ms(fn, iters: int) -> float:
 def fused_step(runner: ModelRunner, out: SchedulerOutput, reqs: dict):
     """The pre-split form at one shape: stack and head inside one compiled program."""
     def step(params, kv, batch):
-        rows, kv = _stack_fn(runner.cfg, runner.backend, params, kv,
+        rows, kv, _ = _stack_fn(runner.cfg, runner.backend, params, kv,
                              dataclasses.replace(batch, sampling=None))
         return _head_fn(runner.cfg, runner.config.max_logprobs, runner.config.logprobs_mode,
                         params, rows, batch.sampling), kv

@@ -18,15 +18,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_late_compile_is_counted_and_strict_mode_refuses():
-    # One token bucket and one seq bucket: 2 programs (a stack for T=16, a head for S=4), so
+    # One token bucket and one seq bucket: 3 programs (a stack and a score program for T=16,
+    # a head for S=4), so
     # dropping the head forces the next step to compile it late. The suite runs strict
     # (conftest's tiny_engine sets strict_compiles=True), so the engine refuses by default.
     engine = tiny_engine(max_num_batched_tokens=16, max_num_seqs=4, token_buckets=(16,),
                          seq_buckets=(4,))
     runner = engine.runner
     assert engine.config.strict_compiles and runner.strict_compiles
-    assert runner.stats().warmup_programs == 2
-    assert sorted(runner._programs) == [("head", 4), ("stack", 16)]
+    assert runner.stats().warmup_programs == 3
+    assert sorted(runner._programs) == [("head", 4), ("score", 16), ("stack", 16)]
     P = prompt_of(9, salt=50)
     late0 = runner.stats().late_compiles
     del runner._programs[("head", 4)]
@@ -43,7 +44,7 @@ def test_late_compile_is_counted_and_strict_mode_refuses():
         runner.strict_compiles = True
     assert out.token_ids == cached_reference(tuple(P), 3)  # compiled late, still correct
     assert runner.stats().late_compiles == late0 + refused + 1
-    assert sorted(runner._programs) == [("head", 4), ("stack", 16)]  # the late one is kept
+    assert sorted(runner._programs) == [("head", 4), ("score", 16), ("stack", 16)]  # late one kept
     assert_idle_and_clean(engine)
 
 
@@ -74,6 +75,6 @@ def test_compile_count_tells_built_from_loaded(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = [json.loads(ln) for ln in proc.stdout.strip().splitlines()[-2:]]
-    # Two token buckets + one seq bucket = 3 programs: 2 stacks + 1 head.
-    assert first == [3, 3, 0]   # an empty cache: all built by XLA
-    assert second == [3, 0, 3]  # the same programs again: all loaded from the cache
+    # Two token buckets + one seq bucket = 5 programs: 2 stacks + 1 head + 2 score programs.
+    assert first == [5, 5, 0]   # an empty cache: all built by XLA
+    assert second == [5, 0, 5]  # the same programs again: all loaded from the cache

@@ -153,3 +153,26 @@ def test_engine_logprobs_modes_match_numpy_over_model_logits(llm_a):
         np.testing.assert_allclose(c_proc.token_logprobs[p], want, atol=1e-4)
     assert sum(c_proc.token_logprobs) == pytest.approx(c_proc.cumulative_logprob, abs=1e-5)
     assert c_proc.token_logprobs != pytest.approx(c_raw.token_logprobs, abs=1e-3)
+
+
+def test_update_from_arrays_on_another_sharding_is_resharded(llm_a):
+    """Weights committed with a sharding other than the engine's (a 1-device training
+    mesh, NamedSharding with a partitioned axis) are resharded to the engine's: same
+    outputs as a fresh engine, same shardings as before, nothing recompiled. (The
+    multi-device reshard test waits for the tensor-parallel branch.)"""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    tree = jax.tree.map(
+        lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec("fsdp"))), _tree(1))
+    assert all(isinstance(a.sharding, NamedSharding) for a in jax.tree.leaves(tree))
+    runner = llm_a.engine.runner
+    before = [a.sharding for a in jax.tree.leaves(runner.params)]
+    assert not any(isinstance(s, NamedSharding) for s in before)
+    c0 = compiles(llm_a)
+    llm_a.update_params(tree)
+    assert [a.sharding for a in jax.tree.leaves(runner.params)] == before
+    assert ids(llm_a.generate(list(PROMPTS), GREEDY, use_tqdm=False)) == reference(1, PROMPTS)
+    assert compiles(llm_a) == c0
+    llm_a.update_params(module(0))

@@ -67,11 +67,52 @@ def test_rollout_config_mapping_and_unsupported_paths():
     sp = sampling_params_for(RolloutConfig(top_p=None, top_k=None, seed=5, eos_tokens=[7]), 2)
     assert (sp.top_p, sp.top_k, sp.seed, sp.stop_token_ids, sp.logprobs) == (1.0, 0, 7, (7,), None)
     ro = JaxserveRollout(fake_llm())
-    with pytest.raises(NotImplementedError, match="LLM.score"):
-        ro.get_per_token_logps(np.zeros((1, 2), np.int32), np.zeros((1, 2), np.int32))
+    with pytest.raises(ValueError, match="same B"):
+        ro.get_per_token_logps(np.zeros((1, 2), np.int32), np.zeros((2, 2), np.int32))
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\] is empty"):
+        ro.get_per_token_logps(np.zeros((1, 2), np.int32), np.ones((1, 2), np.int32))
     with pytest.raises(ValueError, match="filter_types"):
         ro.update_params({}, filter_types=(object,))
     with pytest.raises(TypeError, match="FakeRunner has no update_params"):
         ro.update_params({})
     with pytest.raises(ValueError, match="unsupported arguments"):
         ro.generate(["a"], RolloutConfig(), echo=True)
+
+
+def _fake_score(t: int) -> float:
+    # jaxserve.scoring.fake_scores: the fake runner's teacher-forced score of token t.
+    return np.float32(-0.1 * (1 + t % 5))
+
+
+def test_get_per_token_logps_through_score():
+    # Prompts left-padded with pad_id 0; completions up to and including the first EOS (2),
+    # or all of the row; the fake's scores of the completion tokens, 0 after the completion.
+    ro = JaxserveRollout(fake_llm())
+    prompts = np.array([[0, 0, 6], [4, 3, 5]], np.int32)
+    comps = np.array([[10, 11, EOS, 0], [12, 13, 14, 15]], np.int32)
+    got = ro.get_per_token_logps(prompts, comps)
+    want = np.array([[_fake_score(10), _fake_score(11), _fake_score(EOS), 0],
+                     [_fake_score(t) for t in (12, 13, 14, 15)]], np.float32)
+    assert got.shape == (2, 4) and got.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
+    assert not ro.llm.engine.has_unfinished_requests()
+
+
+def test_get_per_token_logps_on_the_tiny_model_equals_generate_logprobs():
+    """Rollout logprobs at temperature 1 (Tunix's old-policy logps) equal the adapter's
+    teacher-forced ones on a real model: the PPO/GRPO ratio starts at exactly 1."""
+    from test_research_score import ARGS, module
+    from conftest import tiny_tokenizer
+    from jaxserve import LLM
+
+    ro = JaxserveRollout(LLM.from_module(module(), tiny_tokenizer(), **ARGS))
+    cfg = RolloutConfig(max_tokens_to_generate=12, temperature=1.0, seed=4,
+                        max_prompt_length=8, return_logprobs=True)
+    out = ro.generate(["the quick", "brown fox jumps"], cfg)
+    C = max(len(t) for t in out.tokens)
+    comps = np.full((2, C), ro.pad_id(), np.int32)
+    for i, t in enumerate(out.tokens):
+        comps[i, :len(t)] = t
+    got = np.asarray(ro.get_per_token_logps(out.left_padded_prompt_tokens, comps))
+    for i, (t, lp) in enumerate(zip(out.tokens, out.logprobs)):
+        np.testing.assert_allclose(got[i, :len(t)], lp, atol=1e-4)

@@ -9,9 +9,9 @@ weights are swapped with `LLM.update_params` (no recompilation, no disk).
 Tunix is optional (`pip install jaxserve[tunix]`): nothing here imports it at
 module level. When `tunix.rl.rollout.base_rollout` imports, `generate` returns
 its `RolloutOutput`; otherwise the local `RolloutOutput` below, which has the
-same fields (google-tunix 0.1.7). Not implemented yet: `get_per_token_logps`
-needs teacher-forced scoring (`LLM.score`, a new program family in the runner),
-and `RolloutOutput.logits` (per-step full logits) is always an empty list.
+same fields (google-tunix 0.1.7). `get_per_token_logps` runs teacher-forced
+scoring through the same paged engine (`LLM.score`). Not supported:
+`RolloutOutput.logits` (per-step full logits) is always an empty list.
 """
 
 from __future__ import annotations
@@ -110,9 +110,39 @@ class JaxserveRollout:
                               left_padded_prompt_tokens=padded, logprobs=lps)
 
     def get_per_token_logps(self, prompt_tokens: Any, completion_tokens: Any) -> Any:
-        """Not available yet: needs teacher-forced scoring (`LLM.score`, issue 15)."""
-        raise NotImplementedError("get_per_token_logps needs LLM.score (teacher-forced scoring), "
-                                  "which jaxserve does not have yet (issue 15)")
+        """Teacher-forced logprobs of the completions under the engine's current weights.
+
+        Args:
+          prompt_tokens: i32[B, P] left-padded with `pad_id()` (Tunix's layout; as
+            `generate` returns them).
+          completion_tokens: i32[B, C]; each row's completion runs up to and including
+            its first `eos_id()` (Tunix's completion mask), else all C tokens.
+
+        Returns: jax f32[B, C]: log p(completion[t] | prompt, completion[:t]) (the raw
+        distribution, `LLM.score`), 0.0 after each row's completion.
+
+        Raises:
+          ValueError: mismatched batch sizes, a row whose prompt is all padding, or a
+            bad token id (from `LLM.score`).
+        """
+        import jax.numpy as jnp
+
+        p, c = np.asarray(prompt_tokens), np.asarray(completion_tokens)
+        if p.ndim != 2 or c.ndim != 2 or p.shape[0] != c.shape[0]:
+            raise ValueError(f"prompt_tokens {p.shape} and completion_tokens {c.shape} must be "
+                             "[B, P] and [B, C] with the same B")
+        pad, eos = self.pad_id(), self.eos_id()
+        real = p != pad
+        # Left padding: a row's prompt starts at its first non-pad token.
+        starts = np.where(real.any(axis=1), real.argmax(axis=1), p.shape[1])
+        is_eos = c == eos
+        lengths = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, c.shape[1])
+        prompts = [p[i, starts[i]:].tolist() for i in range(len(p))]
+        comps = [c[i, :lengths[i]].tolist() for i in range(len(c))]
+        sb = self.llm.score(prompts, comps)
+        out = np.zeros(c.shape, np.float32)
+        out[:, :sb.logprobs.shape[1]] = sb.logprobs
+        return jnp.asarray(out)
 
     def update_params(self, params: Any, filter_types: Any = None) -> None:
         """Swap in the trainer's weights (a Llama module, nnx.State or tree).

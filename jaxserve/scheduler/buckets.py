@@ -188,18 +188,20 @@ class BucketPolicy:
                 prev = s
         return shapes
 
-    def program_keys(self) -> list[tuple[str, int]]:
+    def program_keys(self, *, score: bool = False) -> list[tuple[str, int]]:
         """The runner's warm-up set, per program family: ("stack", T) for every token
-        bucket and ("head", S) for every seq bucket that `pad` can return (T + S programs).
+        bucket and ("head", S) for every seq bucket that `pad` can return (T + S programs),
+        and with `score` (prompt logprobs / scoring on) ("score", T) per token bucket.
 
         Exactly the projections of `all_shapes()`: every token bucket is reachable
-        (one sequence of t tokens), and seq bucket S_j iff S_{j-1} + 1 <= the
-        largest token bucket.
+        (one sequence of t tokens; a scoring step can have any T_pad), and seq bucket
+        S_j iff S_{j-1} + 1 <= the largest token bucket.
         """
         shapes = self.all_shapes()
         stacks = sorted({t for t, _ in shapes})
         heads = sorted({s for _, s in shapes})
-        return [("stack", t) for t in stacks] + [("head", s) for s in heads]
+        scores = [("score", t) for t in stacks] if score else []
+        return [("stack", t) for t in stacks] + [("head", s) for s in heads] + scores
 
     # ------------------------------------------------------------ counters
     def record(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:

@@ -122,13 +122,20 @@ class KVCacheManager:
 
         At most (num_tokens - 1) // B blocks, so the last token (of a prompt
         that is an exact multiple of B, too) is always computed: its logits
-        are needed and its block must be written by this request alone.
+        are needed and its block must be written by this request alone. A request
+        with `logprob_start` j takes hits only below position j - 1.
         """
         if not self.enable_prefix_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.logprob_start is not None:
+            # Prompt token j's logprob needs the hidden row of position j - 1 computed
+            # here, so hits stop before it (vLLM skips the cache for prompt_logprobs).
+            max_blocks = min(max_blocks, (request.logprob_start - 1) // self.block_size)
         hit = []
-        for h in self.block_hashes(request, max_blocks):
+        # [:max_blocks]: the memo may already hold more hashes (a deferred or preempted
+        # request's), which must not extend the hit past the cap.
+        for h in self.block_hashes(request, max_blocks)[:max_blocks]:
             b = self._cached.get(h)
             if b is None:
                 break

@@ -30,6 +30,7 @@ from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.structured_output import GrammarDeadEnd
+from jaxserve.scoring import fake_scores, merge_scores, scoring_plan
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
@@ -120,6 +121,9 @@ class FakeRunner:
       vocab_size: V of a structured-output row's bitmask; with it, a row whose request
         has a grammar obeys its mask: the scripted token if allowed, else the next
         allowed id above it (cyclically), as a masked sampler would pick some allowed id.
+      score: whether `warmup()` reports score programs (prompt logprobs on); scoring rows
+        get hand-checkable scores (`jaxserve.scoring.fake_scores`) over `vocab_size` ids
+        (1000 without it).
     """
 
     def __init__(self, scheduler: Scheduler | None = None, *, token_fn: TokenFn | None = None,
@@ -129,7 +133,7 @@ class FakeRunner:
                  check_invariants: bool = False, on_step: Callable[[StepResult], None] | None = None,
                  step_delay: float = 0.0, fail_step: RequestPredicate | None = None,
                  fail_row: RequestPredicate | None = None, kv_lost_on_reset: bool = False,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, score: bool = True):
         self.scheduler = scheduler
         self.token_fn = token_fn or (lambda req, pos: default_token(req.request_id, pos))
         if scheduler is not None:
@@ -150,7 +154,7 @@ class FakeRunner:
         self.step_delay = step_delay
         self.fail_step, self.fail_row = fail_step, fail_row
         self.kv_lost_on_reset = kv_lost_on_reset
-        self.vocab_size = vocab_size
+        self.vocab_size, self.score = vocab_size, score
         self.num_resets = 0
         self.last_batch: BatchArrays | None = None
         self.finished: dict[str, Request] = {}
@@ -167,6 +171,7 @@ class FakeRunner:
         sc = config.scheduler
         kw.setdefault("max_logprobs", config.max_logprobs)
         kw.setdefault("vocab_size", config.model.vocab_size)
+        kw.setdefault("score", config.enable_prompt_logprobs)
         return cls(num_kv_blocks=config.cache.num_kv_blocks, bucket_policy=BucketPolicy.from_config(sc),
                    block_size=config.cache.block_size,
                    max_blocks_per_seq=-(-sc.max_model_len // config.cache.block_size), **kw)
@@ -175,7 +180,7 @@ class FakeRunner:
     def warmup(self, *, progress: bool = True) -> None:
         """Nothing to compile; reports the policy's programs (T_pad stacks + S_pad heads) as ready."""
         if self.bucket_policy is not None:
-            self._stats.warmup_programs = len(self.bucket_policy.program_keys())
+            self._stats.warmup_programs = len(self.bucket_policy.program_keys(score=self.score))
 
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, RowResult]:
         """Scripted tokens for the plan's sampling rows (see `jaxserve.runner.Runner`).
@@ -201,6 +206,10 @@ class FakeRunner:
                     results[sr.request_id] = self._token(req, sr.output_pos)
                 except GrammarDeadEnd as e:  # this row alone fails, as in ModelRunner
                     results[sr.request_id] = RowError(f"{type(e).__name__}: {e}")
+        plan = scoring_plan(out, requests)
+        if plan is not None:
+            merge_scores(results, fake_scores(plan, vocab_size=self.vocab_size or 1000,
+                                              max_logprobs=self.max_logprobs))
         if self.step_delay:
             time.sleep(self.step_delay)
         st = self._stats

@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxserve.server.admin import install_admin_routes
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.metrics import ServerMetrics, token_bucket_stats
 from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -123,7 +124,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] | None = None,
               api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
-              max_queued_requests: int | None = None) -> FastAPI:
+              max_queued_requests: int | None = None, allowed_weights_dir: str | None = None,
+              params_cache_dir: str | None = None) -> FastAPI:
     """Build the FastAPI app around an engine (or a zero-arg factory that builds one).
 
     The app's lifespan starts the engine loop thread (the factory, if given,
@@ -139,6 +141,8 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
       host, port: only used for the startup banner.
       max_queued_requests: bound on requests waiting to be scheduled; past it a new
         request gets 503 with Retry-After (None: unbounded).
+      allowed_weights_dir, params_cache_dir: the admin weight-load route
+        (`jaxserve.server.admin`; it exists only with an api_key).
     """
     if served_model_name is None:
         names: list[str] = []  # resolved to engine.model_name once the engine exists
@@ -182,6 +186,8 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
                            code="invalid_api_key")
 
     _install_error_handlers(app)
+    install_admin_routes(app, aengine, api_key=api_key, allowed_weights_dir=allowed_weights_dir,
+                         auth=check_auth, params_cache_dir=params_cache_dir)
 
     @app.get("/health")
     async def health() -> Response:
@@ -257,7 +263,8 @@ class JaxserveServer(uvicorn.Server):
 def serve(engine_or_factory: Any, *, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
           log_level: str = "info", timeout_graceful_shutdown: float = 5.0,
-          max_queued_requests: int | None = None) -> None:
+          max_queued_requests: int | None = None, allowed_weights_dir: str | None = None,
+          params_cache_dir: str | None = None) -> None:
     """Run the server until SIGTERM/SIGINT; returns after a clean shutdown.
 
     Args:
@@ -269,10 +276,13 @@ def serve(engine_or_factory: Any, *, host: str = "127.0.0.1", port: int = 8000,
       log_level: uvicorn log level.
       timeout_graceful_shutdown: seconds to wait for open connections on shutdown.
       max_queued_requests: bound on waiting requests (503 + Retry-After past it).
+      allowed_weights_dir: the only directory the admin weight-load route reads.
+      params_cache_dir: the params cache that route's loads use (None: off).
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(engine_or_factory, served_model_name=served_model_name, api_key=api_key,
-                    host=host, port=port, max_queued_requests=max_queued_requests)
+                    host=host, port=port, max_queued_requests=max_queued_requests,
+                    allowed_weights_dir=allowed_weights_dir, params_cache_dir=params_cache_dir)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=timeout_graceful_shutdown)
     server = JaxserveServer(config)

@@ -72,6 +72,9 @@ class RequestDelta:
     metrics: RequestMetrics | None = None
     error: str | None = None
     status: int = 500
+    # The request's prompt logprobs (vLLM's list, None for the first token) once its
+    # prefill is done, when asked for (SamplingParams.prompt_logprobs); else None.
+    prompt_logprobs: list | None = None
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,8 @@ def _snapshot(out: RequestOutput) -> RequestDelta:
             stop_reason=c.stop_reason, error=c.error)
         for c in out.outputs)
     return RequestDelta(request_id=out.request_id, outputs=comps, finished=bool(out.finished),
-                        metrics=out.metrics if out.finished else None)
+                        metrics=out.metrics if out.finished else None,
+                        prompt_logprobs=out.prompt_logprobs)
 
 
 class AsyncEngine:
@@ -249,6 +253,19 @@ class AsyncEngine:
             raise
         return group
 
+    async def call(self, fn: Callable[["LLMEngine"], Any]) -> Any:
+        """Run `fn(engine)` on the loop thread between steps (the engine is not
+        thread-safe) and return its result; its exception is re-raised here.
+
+        Raises:
+          RuntimeError: the engine is not ready.
+        """
+        if not self.is_ready:
+            raise RuntimeError(f"engine is {self.state}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, fut))
+        return await asyncio.wrap_future(fut)
+
     def _abort(self, request_ids: list[str]) -> None:
         self._commands.put(("abort", request_ids))
 
@@ -330,6 +347,13 @@ class AsyncEngine:
                             error="aborted by client", status=499))
         elif kind == "abort_all":
             self._abort_all(cmd[1], cmd[2])
+        elif kind == "call":
+            fut = cmd[2]
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(cmd[1](self.engine))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
 
     def _add_group(self, requests: list[EngineRequest], fut: concurrent.futures.Future) -> None:
         if not fut.set_running_or_notify_cancel():

@@ -128,6 +128,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool = False
+    # vLLM extra: top-k logprobs of every prompt token (teacher-forced; the first is None).
+    prompt_logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -283,7 +285,9 @@ def _check_common(req: _SamplingFields, served_model_names: list[str],
 
 
 def _build_params(req: _SamplingFields, *, max_tokens: int | None, max_tokens_field: str,
-                  logprobs: int | None, limits: Limits | None) -> SamplingParams:
+                  logprobs: int | None, limits: Limits | None,
+                  prompt_logprobs: int | None = None,
+                  prompt_logprobs_field: str = "prompt_logprobs") -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     try:
         params = SamplingParams(
@@ -293,12 +297,14 @@ def _build_params(req: _SamplingFields, *, max_tokens: int | None, max_tokens_fi
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, seed=req.seed, stop=tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
             structured_outputs=body_structured_outputs(req))
         return validate_sampling_params(params, limits)
     except ValidationError as e:
-        raise validation_error(e, rename={"max_tokens": max_tokens_field}) from e
+        raise validation_error(e, rename={"max_tokens": max_tokens_field,
+                                          "prompt_logprobs": prompt_logprobs_field}) from e
 
 
 def completion_params(req: CompletionRequest, *, served_model_names: list[str],
@@ -320,11 +326,16 @@ def completion_params(req: CompletionRequest, *, served_model_names: list[str],
     if req.logprobs is not None and not 0 <= req.logprobs <= max_logprobs:
         raise APIError(400, f"logprobs={req.logprobs} is out of range: must be in "
                        f"[0, {max_logprobs}]", param="logprobs")
+    # echo with logprobs prepends the prompt tokens' logprobs (OpenAI): the scoring path,
+    # as prompt_logprobs=logprobs (an explicit prompt_logprobs wins for the vLLM field).
+    prompt_lps, field = req.prompt_logprobs, "prompt_logprobs"
     if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not "
-                       "computed)", param="echo")
+        if prompt_lps is None:
+            field = "echo"
+        prompt_lps = max(prompt_lps or 0, req.logprobs)
     return _build_params(req, max_tokens=req.max_tokens, max_tokens_field="max_tokens",
-                         logprobs=req.logprobs, limits=limits)
+                         logprobs=req.logprobs, limits=limits, prompt_logprobs=prompt_lps,
+                         prompt_logprobs_field=field)
 
 
 def chat_params(req: ChatCompletionRequest, *, served_model_names: list[str],

@@ -66,10 +66,15 @@ class _Acc:
         self.prompt_index = {rid: i for i, rid in enumerate(group.request_ids)}
         self.choices = [_Choice() for _ in range(len(group.request_ids) * n)]
         self.prompt_tokens = sum(len(p) for p in group.prompt_token_ids)
+        self.prompt_ids = list(group.prompt_token_ids)
+        # Per prompt: vLLM's prompt_logprobs list once its prefill is done (when asked for).
+        self.prompt_logprobs: list[list | None] = [None] * len(group.request_ids)
 
     def apply(self, d: RequestDelta) -> list[tuple[int, CompletionDelta]]:
         if d.error is not None:
             raise APIError(d.status, d.error, err_type=None if d.status != 500 else "server_error")
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs[self.prompt_index[d.request_id]] = d.prompt_logprobs
         out = []
         for c in d.outputs:
             if c.finish_reason == "error":
@@ -238,6 +243,39 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def _echo_logprobs(self, ids: list[int], entries: list, k: int) -> dict[str, Any]:
+        """OpenAI's completions logprobs of echoed prompt tokens (the first has None)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for tid, e in zip(ids, entries):
+            s = self.token_str(tid)
+            tokens.append(s)
+            token_lps.append(None if e is None else e.get(tid))
+            if e is None:
+                tops.append(None)
+            else:
+                alts = sorted(((t, v) for t, v in e.items() if t != tid), key=lambda kv: -kv[1])
+                tops.append({self.token_str(t): v for t, v in [(tid, e[tid])] + alts[:k]})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _with_echo_logprobs(self, acc: _Acc, p: int, k: int, completion: dict) -> dict:
+        """The prompt's echo logprobs prepended to a choice's completion logprobs."""
+        ids = acc.prompt_ids[p]
+        head = self._echo_logprobs(ids, acc.prompt_logprobs[p] or [None] * len(ids), k)
+        return {key: head[key] + completion[key] for key in head}
+
+    def _vllm_prompt_logprobs(self, acc: _Acc, p: int) -> list | None:
+        """vLLM's choice field: [None, {"<id>": {"logprob", "decoded_token"}}, ...]."""
+        entries = acc.prompt_logprobs[p]
+        if entries is None:
+            return None
+        return [None if e is None else
+                {str(t): {"logprob": v, "decoded_token": self.token_str(t)} for t, v in e.items()}
+                for e in entries]
+
     def _logprobs_chat(self, token_ids, logprobs, top_k: int) -> dict[str, Any]:
         content = []
         for tid, lp in zip(token_ids, logprobs):
@@ -286,11 +324,15 @@ class OpenAIServing:
         choices = []
         for i, ch in enumerate(acc.choices):
             prefix = echo[i // req.n] if echo else ""
-            choices.append({
-                "index": i, "text": prefix + "".join(ch.text),
-                "logprobs": (self._logprobs_completion(ch, len(prefix))
-                             if params.logprobs is not None else None),
-                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+            lp = (self._logprobs_completion(ch, len(prefix)) if params.logprobs is not None
+                  else None)
+            if lp is not None and echo:
+                lp = self._with_echo_logprobs(acc, i // req.n, params.logprobs, lp)
+            c = {"index": i, "text": prefix + "".join(ch.text), "logprobs": lp,
+                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+            if req.prompt_logprobs is not None:
+                c["prompt_logprobs"] = self._vllm_prompt_logprobs(acc, i // req.n)
+            choices.append(c)
         return JSONResponse({**head, "choices": choices, "usage": acc.usage()})
 
     async def _stream_completion(self, group, acc: _Acc, req: CompletionRequest, head: dict,
@@ -306,12 +348,23 @@ class OpenAIServing:
                 c["usage"] = acc.usage() if continuous else None
             return _sse(c)
 
+        # echo with logprobs waits for the prompt's logprobs (its first delta with tokens).
+        echo_lp = bool(echo) and req.logprobs is not None
+        echoed = [not echo_lp] * len(acc.prompt_ids)
         try:
-            if echo:
+            if echo and not echo_lp:
                 for i in range(len(acc.choices)):
                     yield chunk(i, echo[i // req.n], None)
             async for d in group:
-                for idx, c in acc.apply(d):
+                p = acc.prompt_index.get(d.request_id)
+                applied = acc.apply(d)
+                if p is not None and not echoed[p] and acc.prompt_logprobs[p] is not None:
+                    echoed[p] = True
+                    lp = self._echo_logprobs(acc.prompt_ids[p], acc.prompt_logprobs[p],
+                                             req.logprobs)
+                    for i in range(p * req.n, (p + 1) * req.n):
+                        yield chunk(i, echo[p], None, lp)
+                for idx, c in applied:
                     if not (c.text or c.token_ids or c.finish_reason):
                         continue
                     lp = None

@@ -54,6 +54,12 @@ def test_all_shapes_is_exactly_the_reachable_set(tb, sb):
     assert {k for f, k in keys if f == "stack"} == {t for t, _ in reach}
     assert {k for f, k in keys if f == "head"} == {s for _, s in reach}
     assert {f for f, _ in keys} == {"stack", "head"}
+    # With scoring on (prompt logprobs / LLM.score), one score program per reachable T_pad:
+    # a step with a scoring row can have any token count.
+    skeys = pol.program_keys(score=True)
+    assert skeys[:len(keys)] == keys and len(skeys) == len(set(skeys))
+    assert {k for f, k in skeys if f == "score"} == {t for t, _ in reach}
+    assert {f for f, _ in skeys} == {"stack", "head", "score"}
 
 
 def test_program_keys_by_hand():
@@ -63,6 +69,8 @@ def test_program_keys_by_hand():
         ("stack", 4), ("stack", 100), ("head", 8), ("head", 16)]
     assert BucketPolicy((1, 2), (1, 4, 8)).program_keys() == [
         ("stack", 1), ("stack", 2), ("head", 1), ("head", 4)]  # 8 needs >= 5 tokens
+    assert BucketPolicy((4, 100), (8, 16)).program_keys(score=True) == [
+        ("stack", 4), ("stack", 100), ("head", 8), ("head", 16), ("score", 4), ("score", 100)]
 
 
 def test_pad_errors_and_validation():

@@ -1,0 +1,129 @@
+"""Admin route: load new weights from a checkpoint on disk without restarting.
+
+POST /admin/update_weights_from_disk {"model_path": "..."} (SGLang's
+`update_weights_from_disk` is the anchor; its field name). The checkpoint is read
+with the project's loaders (`jaxserve.checkpoint.load_model`: GGUF, HF
+safetensors, the params cache) off the engine thread, so serving goes on while
+it loads; the swap itself (`LLMEngine.update_params`: validation, no recompile,
+prefix cache forgotten) runs on the engine thread between steps.
+
+Rules:
+- The route exists only when the server has an API key (it changes what every
+  client gets), and needs the same bearer token.
+- It reads only under `--allowed_weights_dir`: the path (relative paths are taken
+  inside it) and every file of a checkpoint directory must resolve, symlinks
+  followed, inside that directory; otherwise 403 naming the path and the dir.
+  Without the flag it answers 403 saying so.
+- One update at a time: a second one while the first is loading or swapping is 409.
+- Requests in flight when the weights swap are failed, as `update_params` documents
+  (their clients get a 500 naming both weight versions); later requests use the
+  new weights. The tokenizer is kept; the new checkpoint must have the same
+  architecture and shapes (else 400 naming the leaf, and the old weights keep serving).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import Depends, FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from jaxserve.server.protocol import APIError
+
+
+class UpdateWeightsRequest(BaseModel):
+    """Body of POST /admin/update_weights_from_disk."""
+
+    model_config = ConfigDict(extra="forbid")
+    model_path: str
+
+
+def resolve_under(path: str, allowed_dir: str) -> Path:
+    """The real path of `path` (relative: inside allowed_dir), which must lie in allowed_dir.
+
+    A checkpoint directory's files are checked too (a symlink inside it may escape).
+
+    Raises:
+      APIError(403): the path, or a file under it, resolves outside allowed_dir.
+      APIError(400): the path does not exist.
+    """
+    root = Path(os.path.realpath(allowed_dir))
+    p = Path(path)
+    real = Path(os.path.realpath(p if p.is_absolute() else root / p))
+
+    def inside(x: Path) -> bool:
+        return x == root or root in x.parents
+
+    if not inside(real):
+        raise APIError(403, f"model_path={path!r} resolves to {str(real)!r}, outside "
+                       f"--allowed_weights_dir={str(root)!r}", param="model_path")
+    if not real.exists():
+        raise APIError(400, f"model_path={path!r} does not exist under "
+                       f"--allowed_weights_dir={str(root)!r}", param="model_path")
+    if real.is_dir():
+        for dirpath, _, files in os.walk(real):
+            for f in files:
+                fr = Path(os.path.realpath(Path(dirpath) / f))
+                if not inside(fr):
+                    raise APIError(403, f"model_path={path!r}: {str(Path(dirpath) / f)!r} "
+                                   f"resolves to {str(fr)!r}, outside --allowed_weights_dir="
+                                   f"{str(root)!r}", param="model_path")
+    return real
+
+
+def install_admin_routes(app: FastAPI, aengine: Any, *, api_key: str | None,
+                         allowed_weights_dir: str | None, auth: Any,
+                         params_cache_dir: str | None = None,
+                         loader: Callable[..., Any] | None = None) -> None:
+    """Add the admin route to `app` when `api_key` is set (else nothing: it is a 404).
+
+    Args:
+      aengine: the `AsyncEngine`; `auth`: the API-key dependency of /v1 routes.
+      params_cache_dir: passed to `load_model` (None: no params cache).
+      loader: `load_model`-like `(path, dtype=, cache_dir=, progress=) -> (cfg, params,
+        tokenizer)`; default `jaxserve.checkpoint.load_model`.
+    """
+    if api_key is None:
+        return
+    busy = threading.Lock()
+
+    @app.post("/admin/update_weights_from_disk", dependencies=[Depends(auth)])
+    async def update_weights_from_disk(req: UpdateWeightsRequest) -> JSONResponse:
+        if allowed_weights_dir is None:
+            raise APIError(403, "loading weights from disk is off: start the server with "
+                           "--allowed_weights_dir", param="model_path")
+        if not aengine.is_ready:
+            raise APIError(503, f"engine is {aengine.state}")
+        real = resolve_under(req.model_path, allowed_weights_dir)
+        if not busy.acquire(blocking=False):
+            raise APIError(409, "a weight update is already in progress; retry when it is done")
+        try:
+            load = loader
+            if load is None:
+                from jaxserve.checkpoint import load_model as load
+            dtype = str(aengine.engine.config.model.dtype)
+            t0 = time.perf_counter()
+            try:
+                _, params, _ = await asyncio.to_thread(load, real, dtype=dtype,
+                                                       cache_dir=params_cache_dir, progress=False)
+            except (ValueError, OSError) as e:
+                raise APIError(400, f"model_path={req.model_path!r}: {e}",
+                               param="model_path") from e
+            t1 = time.perf_counter()
+            try:
+                version = await aengine.call(lambda eng: eng.update_params(params))
+            except ValueError as e:  # shapes/dtypes that do not fit the served model
+                raise APIError(400, f"model_path={req.model_path!r}: {e}",
+                               param="model_path") from e
+            t2 = time.perf_counter()
+        finally:
+            busy.release()
+        return JSONResponse({"success": True, "message": f"loaded {str(real)!r}",
+                             "weight_version": version, "load_seconds": round(t1 - t0, 3),
+                             "swap_seconds": round(t2 - t1, 3)})
