@@ -46,6 +46,9 @@ flags.DEFINE_bool("unroll_layers", True, "Unroll the decoder layers in each step
                   "steps on CPU, ~2.5x longer compiles (false: lax.scan over stacked weights).")
 flags.DEFINE_bool("strict_compiles", False, "Refuse (fail the step) instead of compiling when a "
                   "step needs a program warm-up did not build.")
+flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to split the model over (Megatron-style "
+                     "tensor parallelism; must divide the query heads, and divide or be a "
+                     "multiple of the KV heads).")
 flags.DEFINE_bool("static_batching", False, "Admit a batch and add nothing until all of it finishes.")
 flags.DEFINE_string("compile_cache_dir", "checkpoints/jax_compile_cache",
                     "Persistent JAX compilation cache ('' disables).")
@@ -87,6 +90,7 @@ def engine_args_from_flags() -> dict[str, Any]:
         scheduling_policy=FLAGS.scheduling_policy, attention_backend=FLAGS.attention_backend,
         enable_prefix_caching=FLAGS.enable_prefix_caching, static_batching=FLAGS.static_batching,
         unroll_layers=FLAGS.unroll_layers, strict_compiles=FLAGS.strict_compiles,
+        tensor_parallel_size=FLAGS.tensor_parallel_size,
         kv_cache_memory_bytes=FLAGS.kv_cache_memory_mb * 2**20)
     if FLAGS.max_model_len is not None:
         args["max_model_len"] = FLAGS.max_model_len

@@ -316,8 +316,14 @@ class EngineConfig:
     # Refuse (RuntimeError) a step whose program warm-up did not build, instead of
     # compiling it late with an ERROR log (on in the test suite).
     strict_compiles: bool = False
+    # Devices the model is split over (Megatron-style tensor parallelism, jaxserve/parallel.py);
+    # checked against the heads and the devices by the runner, before any compile.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size!r} must be a "
+                 f"positive int")
         _require(self.attention_backend in ("auto", "xla", "pallas", "pallas_mosaic",
                                             "pallas_triton"),
                  f"EngineConfig.attention_backend={self.attention_backend!r} must be "
