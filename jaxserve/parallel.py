@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.attention.common import AttentionBackend
@@ -103,6 +103,24 @@ def kv_replicas(cfg: ModelConfig, tp: int) -> int:
     return max(1, tp // cfg.num_key_value_heads)
 
 
+def sharded_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model the TP programs run: K' = K * kv_replicas KV heads (module docstring)."""
+    return cfg.replace(num_key_value_heads=cfg.num_key_value_heads * kv_replicas(cfg, tp))
+
+
+def param_specs(tree: dict, *, vocab_parallel: bool = False) -> dict:
+    """The PartitionSpec of every leaf of an engine-layout tree (stacked or unrolled layers;
+    leaves may be anything, only the keys are read)."""
+    top = top_specs(vocab_parallel)
+    out = {k: top[k] for k in tree if k != "layers"}
+    layers = tree["layers"]
+    if isinstance(layers, (list, tuple)):
+        out["layers"] = [{k: LAYER_SPECS[k] for k in lp} for lp in layers]
+    else:  # stacked: a leading [L] axis
+        out["layers"] = {k: P(None, *LAYER_SPECS[k]) for k in layers}
+    return out
+
+
 def expand_kv_heads(cfg: ModelConfig, lp: dict[str, Any], r: int) -> dict[str, Any]:
     """One layer's (or the stacked layers') weights with each KV head repeated r times:
     wk / wv [.., E, K*D] -> [.., E, K*r*D], bk / bv [.., K*D] -> [.., K*r*D]; head j of the
@@ -120,6 +138,10 @@ def expand_kv_heads(cfg: ModelConfig, lp: dict[str, Any], r: int) -> dict[str, A
     return out
 
 
+def _layer(layer):
+    return None if layer is None else jax.numpy.asarray(layer, jax.numpy.int32)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShardedAttention:
     """An attention backend run per shard under `shard_map`: each device writes and
@@ -129,7 +151,7 @@ class ShardedAttention:
     """
 
     inner: AttentionBackend
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh  # abstract: lowering for another platform (tests)
 
     @property
     def name(self) -> str:
@@ -138,29 +160,28 @@ class ShardedAttention:
     def prepare(self, common):
         return self.inner.prepare(common)
 
-    def _map(self, fn: Callable, cache_ndim: int, n_heads_args: int, out_specs):
+    def _per_shard(self, fn: Callable, cache_ndim: int, num_head_args: int, *, returns_cache: bool):
+        """fn(k_cache, v_cache, *head-split args, md, layer) under shard_map: caches split
+        on their K' axis, the head args on axis 1, md and layer replicated; it returns the
+        two caches (returns_cache) or one head-split [T, H, D]."""
         cache = P(*([None] * (cache_ndim - 2)), TP_AXIS, None)
-        return jax.shard_map(fn, mesh=self.mesh, out_specs=out_specs, check_vma=False,
-                             in_specs=(cache, cache) + (HEADS_SPEC,) * n_heads_args + (P(), P()))
+        in_specs = (cache, cache) + (HEADS_SPEC,) * num_head_args + (P(), P())
+        out = (cache, cache) if returns_cache else HEADS_SPEC
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out,
+                             check_vma=False)
 
     def write_kv(self, k_cache, v_cache, k, v, md, *, layer):
         """See `AttentionBackend.write_kv`; per shard."""
-        li = None if layer is None else jax.numpy.asarray(layer, jax.numpy.int32)
-        cache = P(*([None] * (k_cache.ndim - 2)), TP_AXIS, None)
-
-        def fn(kc, vc, k, v, md, li):
-            return self.inner.write_kv(kc, vc, k, v, md, layer=li)
-
-        return self._map(fn, k_cache.ndim, 2, (cache, cache))(k_cache, v_cache, k, v, md, li)
+        fn = lambda kc, vc, k, v, md, li: self.inner.write_kv(kc, vc, k, v, md, layer=li)  # noqa: E731
+        return self._per_shard(fn, k_cache.ndim, 2, returns_cache=True)(
+            k_cache, v_cache, k, v, md, _layer(layer))
 
     def attention(self, q, k_cache, v_cache, md, *, layer, sm_scale: float):
         """See `AttentionBackend.attention`; per shard, out [T, H, D] split on H."""
-        li = None if layer is None else jax.numpy.asarray(layer, jax.numpy.int32)
-
-        def fn(kc, vc, q, md, li):
-            return self.inner.attention(q, kc, vc, md, layer=li, sm_scale=sm_scale)
-
-        return self._map(fn, k_cache.ndim, 1, HEADS_SPEC)(k_cache, v_cache, q, md, li)
+        fn = lambda kc, vc, q, md, li: self.inner.attention(  # noqa: E731
+            q, kc, vc, md, layer=li, sm_scale=sm_scale)
+        return self._per_shard(fn, k_cache.ndim, 1, returns_cache=False)(
+            k_cache, v_cache, q, md, _layer(layer))
 
 
 class TensorParallel:
@@ -183,24 +204,12 @@ class TensorParallel:
         check_tensor_parallel(cfg, tp, len(devices), vocab_parallel=vocab_parallel)
         self.cfg, self.tp, self.vocab_parallel = cfg, tp, vocab_parallel
         self.replicas = kv_replicas(cfg, tp)
-        # The model the programs run: K' = K * replicas KV heads (see the module docstring).
-        self.model_cfg = cfg.replace(num_key_value_heads=cfg.num_key_value_heads * self.replicas)
+        self.model_cfg = sharded_model_config(cfg, tp)  # K' KV heads
         multi = jax.process_count() > 1
         self.mesh = (Mesh(np.array(devices[:tp]).reshape(1, tp), (DP_AXIS, TP_AXIS))
                      if tp > 1 or multi else None)
 
     # ---------------------------------------------------------------- specs
-    def param_specs(self, tree: dict) -> dict:
-        """The PartitionSpec of every leaf of an engine-layout tree (stacked or unrolled)."""
-        top = top_specs(self.vocab_parallel)
-        out = {k: top[k] for k in tree if k != "layers"}
-        layers = tree["layers"]
-        if isinstance(layers, (list, tuple)):
-            out["layers"] = [{k: LAYER_SPECS[k] for k in lp} for lp in layers]
-        else:  # stacked: a leading [L] axis
-            out["layers"] = {k: P(None, *LAYER_SPECS[k]) for k in layers}
-        return out
-
     def sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
@@ -228,7 +237,7 @@ class TensorParallel:
         if self.mesh is None:
             return jax.device_put(tree)
         placed = jax.tree.map(lambda x, spec: self.put(x, self.sharding(spec)), tree,
-                              self.param_specs(tree))
+                              param_specs(tree, vocab_parallel=self.vocab_parallel))
         check_no_full_replicas(placed)
         return placed
 

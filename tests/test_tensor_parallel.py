@@ -157,3 +157,90 @@ def test_smollm2_tp3_reproduces_hf_greedy():
     assert r["late"] == 0
     assert r["kv_shards"] == [[30, 48, 16, 1, 64]] * 3  # one of the 3 KV heads per device
     assert r["layer0"]["wq"] == [[576, 3 * 64]] * 3
+
+
+# ---------------------------------------------------------------- Pallas per shard
+@pytest.mark.slow  # the Pallas interpreter: ~2.5 min for three engines on this CPU
+def test_pallas_triton_per_shard_interpret_same_tokens_as_tp1_xla():
+    r = run_worker("pallas")
+    ref = r["tp"]["1"]
+    assert ref["backend"] == "xla"
+    for tp in ("2", "4"):
+        got = r["tp"][tp]
+        assert (got["backend"], got["sharded"]) == ("pallas_triton", "ShardedAttention")
+        assert_same_runs(got["runs"], ref["runs"])
+        assert got["late"] == 0
+
+
+def _lower_sharded_stack(kernel: str, tp: int) -> str:
+    """The runner's layer-stack program (`_stack_fn`), sharded over an abstract ('dp', 'tp')
+    mesh of H200s, with the Pallas kernel per shard, lowered for CUDA (no GPU needed; the
+    abstract device gives the Triton lowering its compute capability)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as Pspec
+
+    from jaxserve import parallel
+    from jaxserve.model.attention.pallas_mosaic import PallasMosaicBackend
+    from jaxserve.model.attention.pallas_triton import PallasTritonBackend
+    from jaxserve.model.llama import param_shapes
+    from jaxserve.model_runner import StepBatch, _stack_fn
+    from tests.pallas.cases import empty_common
+
+    cfg = ModelConfig.tiny(num_attention_heads=H, num_key_value_heads=K, head_dim=64,
+                           dtype="bfloat16")
+    mc = parallel.sharded_model_config(cfg, tp)
+    dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1, tp), ("dp", "tp"), (AxisType.Auto,) * 2, abstract_device=dev)
+    sds = jax.ShapeDtypeStruct
+    shapes = param_shapes(mc)
+    tree = {k: v for k, v in shapes.items() if k != "layers"}
+    tree["layers"] = [{k: s[1:] for k, s in shapes["layers"].items()}] * L  # unrolled layout
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)  # noqa: E731
+    p_sh = jax.tree.map(lambda s, spec: NamedSharding(mesh, spec), tree,
+                        parallel.param_specs(tree), is_leaf=is_shape)
+    p_spec = jax.tree.map(lambda s, sh: sds(s, jnp.bfloat16, sharding=sh), tree, p_sh,
+                          is_leaf=is_shape)
+    g = mc.num_queries_per_kv
+    inner = (PallasTritonBackend(block_size=16, num_queries_per_kv=g, head_dim=64)
+             if kernel == "triton" else
+             PallasMosaicBackend(block_size=16, num_queries_per_kv=g, head_dim=64,
+                                 dtype="bfloat16"))
+    be = parallel.ShardedAttention(inner, mesh)
+    t, s, pages, blocks = 64, 8, 8, 32
+    md = be.prepare(empty_common(t, s, pages))
+    rep, kv = NamedSharding(mesh, Pspec()), NamedSharding(mesh, parallel.KV_CACHE_SPEC)
+    cache = sds((L, blocks, 16, mc.num_key_value_heads, 64), jnp.bfloat16, sharding=kv)
+    i32 = lambda n: sds((n,), jnp.int32, sharding=rep)  # noqa: E731
+    batch = StepBatch(input_ids=i32(t), positions=i32(t), logits_indices=i32(s), sampling=None,
+                      attn_md=jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding=rep), md))
+    fn = jax.jit(functools.partial(_stack_fn, mc, be), donate_argnums=(1,),
+                 in_shardings=(p_sh, (kv, kv), rep), out_shardings=(rep, (kv, kv)))
+    with jax.sharding.use_abstract_mesh(mesh):
+        return fn.trace(p_spec, (cache, cache), batch).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("kernel,tp,local", [("triton", 2, "bq16_gp4"), ("triton", 4, "bq32_gp2"),
+                                             ("mosaic", 2, "bq32_gp4")])
+def test_sharded_step_lowers_for_cuda(kernel, tp, local):
+    from tests.pallas.test_lowering import TRITON_CALL
+    from tests.pallas.test_mosaic_lowering import MOSAIC_CALL
+
+    text = _lower_sharded_stack(kernel, tp)
+    assert f"mhlo.num_partitions = {tp}" in text
+    # write_kv + attention per layer, each a manual (per-shard) computation
+    assert text.count("sdy.manual_computation") == 2 * L
+    if kernel == "triton":
+        assert text.count(TRITON_CALL) == 2  # the KV write and the attention kernel
+        # Local shapes: one KV head per device (K / TP, or 1 when replicated) and
+        # H / K' query heads per KV head.
+        assert f"ragged_paged_attention_{local}_ppc4_bs16_d64" in text
+        assert "kv_cache_update_k1_d64" in text
+    else:
+        assert text.count(MOSAIC_CALL) == 1
+        assert f"ragged_paged_attention_mosaic_{local}_ck64_d64" in text

@@ -45,7 +45,7 @@ def _run(engine, prompts, max_tokens=12, logprobs=3):
                 c = o.outputs[0]
                 done[o.request_id] = {"ids": c.token_ids,
                                       "logprobs": [{str(k): v for k, v in d.items()}
-                                                   for d in c.logprobs]}
+                                                   for d in c.logprobs or ()]}
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -57,16 +57,19 @@ def _shards(runner):
             "kv_shards": kv["shards"]["[0]"], "kv_shape": list(runner.kv_cache[0].shape)}
 
 
-def engine_group(backend: str, interpret: bool, tps: tuple[int, ...]) -> dict:
+def engine_group(backend: str, interpret: bool, tps: tuple[int, ...], *, prompts=PROMPTS,
+                 max_tokens: int = 12, **cfg_kw) -> dict:
     from tests.conftest import tiny_params
 
-    cfg, params = tiny_params(**TINY_HEADS)
+    cfg, params = tiny_params(**TINY_HEADS, **cfg_kw)
     out = {"devices": len(jax.devices()), "tp": {}}
     for tp in tps:
-        config = make_engine_config(cfg, attention_backend=backend, attention_interpret=interpret,
-                                    tensor_parallel_size=tp, **TINY_ENGINE)
+        be = "xla" if tp == 1 else backend  # TP = 1 on xla: the reference
+        config = make_engine_config(cfg, attention_backend=be, attention_interpret=interpret
+                                    and be != "xla", tensor_parallel_size=tp, **TINY_ENGINE)
         eng = LLMEngine(config, params, None, progress=False)
-        r = {"runs": _run(eng, PROMPTS), **_shards(eng.runner)}
+        r = {"runs": _run(eng, prompts, max_tokens), "backend": eng.runner.backend.name,
+             "sharded": type(eng.runner.backend).__name__, **_shards(eng.runner)}
         st = eng.get_stats()
         r.update(preemptions=st["num_preemptions"], late=st["num_compiles_after_warmup"],
                  programs=st["warmup_programs"], free=st["num_free_blocks"],
@@ -123,8 +126,9 @@ def main(argv: list[str]) -> None:
     group = argv[1]
     if group == "xla":
         res = engine_group("xla", False, (1, 2, 4))
-    elif group == "pallas":
-        res = engine_group("pallas", True, (2, 4))
+    elif group == "pallas":  # Triton needs head_dim >= 16; the interpreter is slow: 3 prompts
+        res = engine_group("pallas_triton", True, (1, 2, 4), prompts=PROMPTS[:3], max_tokens=6,
+                           head_dim=16)
     elif group == "smollm2":
         res = smollm2_group()
     else:
