@@ -177,6 +177,8 @@ class ModelRunner:
       bucket_policy: the (T_pad, S_pad) shapes this runner may be asked for.
       strict_compiles: raise instead of compiling when a step after warm-up
         needs a program warm-up did not build (None: `config.strict_compiles`).
+      vocab_parallel: with TP, split embed / lm_head over the vocabulary instead of
+        replicating them (notes/parallel.md measures both; replicated is the default).
 
     The pool size N is `config.cache.num_kv_blocks`, or what
     `kv_cache_memory_bytes` holds; the cache is 2 x [L, N, B, K, D] in cfg.dtype.
@@ -189,11 +191,12 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, params: Any, *, bucket_policy: BucketPolicy,
-                 strict_compiles: bool | None = None):
+                 strict_compiles: bool | None = None, vocab_parallel: bool = False):
         CacheHits.install()
         self.config = config
         self.cfg = config.model
-        self.tp = TensorParallel(self.cfg, config.tensor_parallel_size)  # validates first
+        self.tp = TensorParallel(self.cfg, config.tensor_parallel_size,  # validates first
+                                 vocab_parallel=vocab_parallel)
         self.model_cfg = self.tp.model_cfg  # what the programs run (K' KV heads)
         if self.tp.mesh is not None:
             logger.info(self.tp.describe())
@@ -254,8 +257,12 @@ class ModelRunner:
 
         Raises:
           ValueError: a missing/extra/mis-shaped/non-floating leaf (from
-            `prepare_params`) or a layout mismatch, naming the leaf's path.
+            `prepare_params`) or a layout mismatch, naming the leaf's path; or a
+            multi-host run (num_processes > 1).
         """
+        if jax.process_count() > 1:  # the followers would keep serving the old weights
+            raise ValueError(f"update_params is not supported across {jax.process_count()} "
+                             f"processes (multi-host)")
         new = prepare_params(self.cfg, params, unroll_layers=self.config.unroll_layers,
                              place=self.tp.place_params)
         old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.params)
