@@ -177,8 +177,9 @@ class ModelRunner:
       bucket_policy: the (T_pad, S_pad) shapes this runner may be asked for.
       strict_compiles: raise instead of compiling when a step after warm-up
         needs a program warm-up did not build (None: `config.strict_compiles`).
-      vocab_parallel: with TP, split embed / lm_head over the vocabulary instead of
-        replicating them (notes/parallel.md measures both; replicated is the default).
+      vocab_parallel: with TP, split embed / lm_head over the vocabulary (True) or
+        replicate them (False); None: split when TP divides the vocabulary (faster in
+        notes/parallel.md's measurements).
 
     The pool size N is `config.cache.num_kv_blocks`, or what
     `kv_cache_memory_bytes` holds; the cache is 2 x [L, N, B, K, D] in cfg.dtype.
@@ -191,7 +192,7 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, params: Any, *, bucket_policy: BucketPolicy,
-                 strict_compiles: bool | None = None, vocab_parallel: bool = False):
+                 strict_compiles: bool | None = None, vocab_parallel: bool | None = None):
         CacheHits.install()
         self.config = config
         self.cfg = config.model

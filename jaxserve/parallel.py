@@ -8,8 +8,9 @@ shardings, and lets XLA's SPMD partitioner insert the all-reduces (GSPMD, Xu et
 al. 2021). The layout is Megatron-LM's (Shoeybi et al. 2019): column-parallel
 q/k/v and gate/up (split over heads / the intermediate dim), row-parallel o and
 down (their partial sums are all-reduced), norms replicated. The embedding and
-LM head are replicated by default; `vocab_parallel=True` splits them over the
-vocabulary (notes/parallel.md measures both).
+LM head are split over the vocabulary when TP divides it (vocab-parallel, as
+vLLM's VocabParallelEmbedding / ParallelLMHead; measured faster than replicated,
+notes/parallel.md), else replicated.
 
 KV heads (vLLM's rule): with TP <= K each device holds K / TP KV heads; with
 TP > K (TP a multiple of K) each device holds ONE KV head and each head is held
@@ -160,7 +161,8 @@ class ShardedAttention:
     def prepare(self, common):
         return self.inner.prepare(common)
 
-    def _per_shard(self, fn: Callable, cache_ndim: int, num_head_args: int, *, returns_cache: bool):
+    def _per_shard(self, fn: Callable, cache_ndim: int, num_head_args: int, *,
+                   returns_cache: bool):
         """fn(k_cache, v_cache, *head-split args, md, layer) under shard_map: caches split
         on their K' axis, the head args on axis 1, md and layer replicated; it returns the
         two caches (returns_cache) or one head-split [T, H, D]."""
@@ -190,22 +192,31 @@ class TensorParallel:
     Args:
       cfg: the checkpoint's ModelConfig (its K KV heads).
       tp: tensor_parallel_size; 1 keeps the single-device placement (no mesh).
-      vocab_parallel: split embed / lm_head over the vocabulary (else replicated).
+      vocab_parallel: split embed / lm_head over the vocabulary (True), replicate them
+        (False); None: split when tp divides vocab_size (measured faster,
+        notes/parallel.md), else replicate.
       devices: the devices of the mesh (default: the first tp of `jax.devices()`,
         the global devices, so one mesh spans every process of a multi-host run).
 
     Raises:
-      ValueError: from `check_tensor_parallel`, before anything is placed or compiled.
+      ValueError: from `check_tensor_parallel`, or (multi-host) tp != the global device
+        count; before anything is placed or compiled.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: int = 1, *, vocab_parallel: bool = False,
+    def __init__(self, cfg: ModelConfig, tp: int = 1, *, vocab_parallel: bool | None = None,
                  devices: list | None = None):
         devices = list(jax.devices() if devices is None else devices)
+        if vocab_parallel is None:
+            vocab_parallel = tp > 1 and cfg.vocab_size % tp == 0
         check_tensor_parallel(cfg, tp, len(devices), vocab_parallel=vocab_parallel)
         self.cfg, self.tp, self.vocab_parallel = cfg, tp, vocab_parallel
         self.replicas = kv_replicas(cfg, tp)
         self.model_cfg = sharded_model_config(cfg, tp)  # K' KV heads
         multi = jax.process_count() > 1
+        if multi and tp != len(devices):  # every process must hold part of the mesh
+            raise ValueError(f"tensor_parallel_size={tp} must equal the {len(devices)} devices "
+                             f"of the {jax.process_count()} processes (multi-host runs one "
+                             f"TP group; data parallelism is not built)")
         self.mesh = (Mesh(np.array(devices[:tp]).reshape(1, tp), (DP_AXIS, TP_AXIS))
                      if tp > 1 or multi else None)
 

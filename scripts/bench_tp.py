@@ -1,7 +1,7 @@
 """Warm-up and step time at tensor_parallel_size 1, 2, 4 on fake CPU devices.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 PYTHONPATH=$PWD \\
-        python scripts/bench_tp.py [--tps 1,2,4] [--vocab_parallel] [--layers 4]
+        python scripts/bench_tp.py [--tps 1,2,4] [--vocab_parallel auto|on|off|ab] [--layers 4]
 
 A random-weight model with 8 query / 2 KV heads (TP = 4 replicates KV heads),
 hidden 512, intermediate 1536, head_dim 64, vocab 49152 (SmolLM2's), fp32, xla
@@ -34,7 +34,7 @@ from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.scheduler.buckets import BucketPolicy  # noqa: E402
 
 
-def bench(cfg, params, tp: int, vocab_parallel: bool) -> dict:
+def bench(cfg, params, tp: int, vocab_parallel: bool | None) -> dict:
     config = make_engine_config(cfg, max_model_len=256, block_size=16, num_kv_blocks=160,
                                 max_num_seqs=8, max_num_batched_tokens=128,
                                 token_buckets=(8, 128), seq_buckets=(8,), attention_backend="xla",
@@ -55,7 +55,7 @@ def bench(cfg, params, tp: int, vocab_parallel: bool) -> dict:
         engine.step()
         dt = time.perf_counter() - t
         (decode if engine.last_step_tokens == 8 else prefill).append(dt)
-    return {"tp": tp, "vocab_parallel": vocab_parallel, "load_s": round(load, 2),
+    return {"tp": tp, "vocab_parallel": runner.tp.vocab_parallel, "load_s": round(load, 2),
             "warmup_s": round(warm, 2), "programs": runner.stats().warmup_programs,
             "decode_step_ms": round(1e3 * statistics.median(decode), 2), "decode_steps": len(decode),
             "prefill_step_ms": round(1e3 * statistics.median(prefill), 2),
@@ -65,7 +65,8 @@ def bench(cfg, params, tp: int, vocab_parallel: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tps", default="1,2,4")
-    ap.add_argument("--vocab_parallel", action="store_true")
+    ap.add_argument("--vocab_parallel", default="auto", choices=["auto", "on", "off", "ab"],
+                    help="embed / lm_head split over the vocabulary; ab: both, same process")
     ap.add_argument("--layers", type=int, default=4)
     a = ap.parse_args()
     cfg = ModelConfig(vocab_size=49152, hidden_size=512, intermediate_size=1536,
@@ -74,8 +75,10 @@ def main() -> None:
                       eos_token_ids=(2,))
     params = jax.tree.map(np.asarray, canonical_params(Llama(cfg, rngs=nnx.Rngs(0))))
     print(f"devices={len(jax.devices())} load={os.getloadavg()}", flush=True)
+    modes = {"auto": [None], "on": [True], "off": [False], "ab": [False, True]}[a.vocab_parallel]
     for tp in (int(x) for x in a.tps.split(",")):
-        print(json.dumps(bench(cfg, params, tp, a.vocab_parallel and tp > 1)), flush=True)
+        for vp in modes if tp > 1 else [None]:
+            print(json.dumps(bench(cfg, params, tp, vp)), flush=True)
     print(f"load after={os.getloadavg()}", flush=True)
 
 

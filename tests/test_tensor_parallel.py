@@ -23,7 +23,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.parallel import check_tensor_parallel, expand_kv_heads
 
 ROOT = Path(__file__).resolve().parents[1]
-H, K, E, F, D, L, V = 8, 2, 48, 80, 8, 2, 67  # tests/tp_worker.py's tiny model
+H, K, E, F, D, L, V = 8, 2, 48, 80, 8, 2, 68  # tests/tp_worker.py's tiny model
 
 
 def run_worker(group: str, timeout: float = 900) -> dict:
@@ -65,7 +65,7 @@ def test_bad_sizes_name_both_numbers():
     with pytest.raises(ValueError, match="tensor_parallel_size=2 and num_key_value_heads=3"):
         check_tensor_parallel(ModelConfig.tiny(num_attention_heads=6, num_key_value_heads=3), 2, 4)
     with pytest.raises(ValueError, match="does not divide vocab_size=67"):
-        check_tensor_parallel(cfg, 2, 4, vocab_parallel=True)
+        check_tensor_parallel(cfg.replace(vocab_size=67), 2, 4, vocab_parallel=True)
     with pytest.raises(ValueError, match="positive int"):
         check_tensor_parallel(cfg, 0, 4)
 
@@ -90,7 +90,7 @@ def test_tp2_tp4_same_tokens_and_logprobs_as_tp1(xla):
     assert xla["devices"] == 4
     ref = xla["tp"]["1"]
     assert ref["preemptions"] > 0, "the workload must preempt (recompute) to test it under TP"
-    for tp in ("2", "4"):
+    for tp in ("2", "4", "4r"):
         r = xla["tp"][tp]
         assert_same_runs(r["runs"], ref["runs"])
         assert r["late"] == 0 and r["programs"] == ref["programs"] == 3  # one per bucket
@@ -99,8 +99,10 @@ def test_tp2_tp4_same_tokens_and_logprobs_as_tp1(xla):
 
 
 def test_shard_shapes(xla):
-    for tp in (2, 4):
-        r = xla["tp"][str(tp)]
+    for name in ("2", "4", "4r"):
+        tp, vocab = int(name[0]), not name.endswith("r")
+        r = xla["tp"][name]
+        assert r["vocab_parallel"] == vocab
         l0 = r["layer0"]
         kv_local = max(1, K // tp)  # KV heads per device (each head on tp / K devices when tp > K)
         want = {"wq": [E, H * D // tp], "wk": [E, kv_local * D], "wv": [E, kv_local * D],
@@ -108,7 +110,8 @@ def test_shard_shapes(xla):
                 "w_down": [F // tp, E], "attn_norm": [E], "mlp_norm": [E]}
         for name, shape in want.items():
             assert l0[name] == [shape] * tp, (tp, name, l0[name])
-        assert r["embed"] == [[V, E]] * tp  # replicated (the default; notes/parallel.md)
+        assert r["embed"] == [[V // tp if vocab else V, E]] * tp  # vocab-parallel or replicated
+        assert r["lm_head"] == [[E, V // tp if vocab else V]] * tp
         assert r["kv_shape"] == [L, 16, 4, max(K, tp), D]
         assert r["kv_shards"] == [[L, 16, 4, kv_local, D]] * tp
 
@@ -117,15 +120,17 @@ def test_bytes_per_device(xla):
     ref = xla["tp"]["1"]
     (p1,), (kv1,) = ref["param_bytes"].values(), ref["kv_bytes"].values()
     f4 = 4  # float32
-    replicated = f4 * (V * E * 2 + E + L * 2 * E)  # embed, lm_head, final_norm, 2 norms / layer
+    norms = f4 * (E + L * 2 * E)  # final_norm, 2 norms per layer: replicated
+    vocab = f4 * V * E * 2  # embed, lm_head
     q_o_mlp = f4 * L * (2 * E * H * D + 3 * E * F)
     k_v = f4 * L * 2 * E * K * D
-    assert p1 == replicated + q_o_mlp + k_v
-    for tp in (2, 4):
-        r = xla["tp"][str(tp)]
+    assert p1 == norms + vocab + q_o_mlp + k_v
+    for name in ("2", "4", "4r"):
+        tp, r = int(name[0]), xla["tp"][name]
         assert len(r["param_bytes"]) == tp
+        v = vocab if name.endswith("r") else vocab // tp
         for dev, b in r["param_bytes"].items():
-            assert b == replicated + q_o_mlp // tp + k_v // min(tp, K), (tp, dev, b)
+            assert b == norms + v + q_o_mlp // tp + k_v // min(tp, K), (name, dev, b)
         for dev, b in r["kv_bytes"].items():
             assert b == kv1 // min(tp, K), (tp, dev, b, kv1)
 
@@ -157,6 +162,7 @@ def test_smollm2_tp3_reproduces_hf_greedy():
     assert r["late"] == 0
     assert r["kv_shards"] == [[30, 48, 16, 1, 64]] * 3  # one of the 3 KV heads per device
     assert r["layer0"]["wq"] == [[576, 3 * 64]] * 3
+    assert r["vocab_parallel"] and r["embed"] == [[49152 // 3, 576]] * 3  # tied: embed is the head
 
 
 # ---------------------------------------------------------------- Pallas per shard

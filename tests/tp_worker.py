@@ -24,7 +24,8 @@ from jaxserve.engine import LLMEngine, make_engine_config  # noqa: E402
 from jaxserve.parallel import shard_report  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
-TINY_HEADS = dict(num_attention_heads=8, num_key_value_heads=2)
+# vocab 68: TP 2 and 4 divide it, so the default vocab-parallel embed / lm_head is used.
+TINY_HEADS = dict(num_attention_heads=8, num_key_value_heads=2, vocab_size=68)
 # Batched, chunked (prompts up to 33 tokens over a 16-token budget) and preempted
 # (15 usable blocks x 4 tokens cannot hold the running requests at once).
 TINY_ENGINE = dict(max_model_len=64, block_size=4, num_kv_blocks=16, max_num_seqs=4,
@@ -54,32 +55,39 @@ def _shards(runner):
     layer0 = {k.split("'")[-2]: v for k, v in rep["shards"].items() if "[0]" in k}
     return {"param_bytes": rep["bytes_per_device"], "kv_bytes": kv["bytes_per_device"],
             "layer0": layer0, "embed": rep["shards"]["['embed']"],
+            "lm_head": rep["shards"].get("['lm_head']"), "vocab_parallel": runner.tp.vocab_parallel,
             "kv_shards": kv["shards"]["[0]"], "kv_shape": list(runner.kv_cache[0].shape)}
 
 
-def engine_group(backend: str, interpret: bool, tps: tuple[int, ...], *, prompts=PROMPTS,
+def engine_group(backend: str, interpret: bool, tps: tuple[str, ...], *, prompts=PROMPTS,
                  max_tokens: int = 12, **cfg_kw) -> dict:
+    """Per entry of tps ("4": TP = 4, "4r": TP = 4 with replicated embed / lm_head)."""
+    from jaxserve.model_runner import ModelRunner
+    from jaxserve.scheduler.buckets import BucketPolicy
     from tests.conftest import tiny_params
 
-    cfg, params = tiny_params(**TINY_HEADS, **cfg_kw)
+    cfg, params = tiny_params(**{**TINY_HEADS, **cfg_kw})
     out = {"devices": len(jax.devices()), "tp": {}}
-    for tp in tps:
+    for name in tps:
+        tp = int(name.rstrip("r"))
         be = "xla" if tp == 1 else backend  # TP = 1 on xla: the reference
         config = make_engine_config(cfg, attention_backend=be, attention_interpret=interpret
                                     and be != "xla", tensor_parallel_size=tp, **TINY_ENGINE)
-        eng = LLMEngine(config, params, None, progress=False)
+        runner = ModelRunner(config, params, bucket_policy=BucketPolicy.from_config(
+            config.scheduler), vocab_parallel=False if name.endswith("r") else None)
+        eng = LLMEngine(config, runner=runner, progress=False)
         r = {"runs": _run(eng, prompts, max_tokens), "backend": eng.runner.backend.name,
              "sharded": type(eng.runner.backend).__name__, **_shards(eng.runner)}
         st = eng.get_stats()
         r.update(preemptions=st["num_preemptions"], late=st["num_compiles_after_warmup"],
                  programs=st["warmup_programs"], free=st["num_free_blocks"],
                  total=st["num_total_blocks"])
-        if tp > 1 and backend == "xla":  # weights swap: same shardings, no recompile
+        if name in ("2", "4") and backend == "xla":  # weights swap: same shardings, no recompile
             eng.update_params(params)
             eng.step()  # delivers nothing (idle), keeps the engine clean
             r["after_update"] = _run(eng, PROMPTS[:2])
             r["late_after_update"] = eng.get_stats()["num_compiles_after_warmup"]
-        out["tp"][str(tp)] = r
+        out["tp"][name] = r
     if backend == "xla":
         out["errors"] = bad_sizes(cfg, params)
     return out
@@ -125,10 +133,10 @@ def smollm2_group() -> dict:
 def main(argv: list[str]) -> None:
     group = argv[1]
     if group == "xla":
-        res = engine_group("xla", False, (1, 2, 4))
+        res = engine_group("xla", False, ("1", "2", "4", "4r"))
     elif group == "pallas":  # Triton needs head_dim >= 16; the interpreter is slow: 3 prompts
-        res = engine_group("pallas_triton", True, (1, 2, 4), prompts=PROMPTS[:3], max_tokens=6,
-                           head_dim=16)
+        res = engine_group("pallas_triton", True, ("1", "2", "4"), prompts=PROMPTS[:3],
+                           max_tokens=6, head_dim=16)
     elif group == "smollm2":
         res = smollm2_group()
     else:
