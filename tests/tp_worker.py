@@ -7,22 +7,21 @@ tests/test_tensor_parallel.py runs this module as `python -m tests.tp_worker
 the whole engine on a tiny 8-query / 2-KV-head model, shard shapes, bytes per
 device, update_params, bad sizes), "pallas" (the same with the Pallas Triton
 kernel per shard in interpret mode), "smollm2" (TP = 3 on the real model).
+The parent sets XLA_FLAGS; this module never does, since test_multihost.py imports
+its constants into the one-device test process.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxserve.engine import LLMEngine, make_engine_config  # noqa: E402
-from jaxserve.parallel import shard_report  # noqa: E402
-from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.engine import LLMEngine, make_engine_config
+from jaxserve.parallel import shard_report
+from jaxserve.sampling_params import SamplingParams
 
 # vocab 68: TP 2 and 4 divide it, so the default vocab-parallel embed / lm_head is used.
 TINY_HEADS = dict(num_attention_heads=8, num_key_value_heads=2, vocab_size=68)
