@@ -48,11 +48,20 @@ flags.DEFINE_bool("strict_compiles", False, "Refuse (fail the step) instead of c
                   "step needs a program warm-up did not build.")
 flags.DEFINE_bool("enable_prompt_logprobs", True, "Build the score programs (one per token "
                   "bucket) for prompt_logprobs and echo with logprobs; false: those are a 400.")
+flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to split the model over (Megatron-style "
+                     "tensor parallelism; must divide the query heads, and divide or be a "
+                     "multiple of the KV heads).")
 flags.DEFINE_bool("static_batching", False, "Admit a batch and add nothing until all of it finishes.")
 flags.DEFINE_string("compile_cache_dir", "checkpoints/jax_compile_cache",
                     "Persistent JAX compilation cache ('' disables).")
 flags.DEFINE_string("params_cache_dir", "checkpoints/params_cache",
                     "Converted-parameter cache ('' disables).")
+# ---- multi-host (JAX multi-controller: one process per host; jaxserve/multihost.py)
+flags.DEFINE_integer("num_processes", 1, "Processes (hosts) of a multi-host run; >1 starts "
+                     "jax.distributed. Process 0 serves; the others follow its steps.")
+flags.DEFINE_integer("process_id", 0, "This process's index in [0, num_processes).")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0's jax.distributed "
+                    "coordinator (needed with --num_processes > 1).")
 # ---- generate
 flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
 flags.DEFINE_string("prompts_file", None, "Prompts: .jsonl with 'prompt' (and optional 'max_tokens', 'id') "
@@ -92,6 +101,7 @@ def engine_args_from_flags() -> dict[str, Any]:
         enable_prefix_caching=FLAGS.enable_prefix_caching, static_batching=FLAGS.static_batching,
         unroll_layers=FLAGS.unroll_layers, strict_compiles=FLAGS.strict_compiles,
         enable_prompt_logprobs=FLAGS.enable_prompt_logprobs,
+        tensor_parallel_size=FLAGS.tensor_parallel_size,
         kv_cache_memory_bytes=FLAGS.kv_cache_memory_mb * 2**20)
     if FLAGS.max_model_len is not None:
         args["max_model_len"] = FLAGS.max_model_len
@@ -113,11 +123,51 @@ def build_engine():
 
     enable_compilation_cache(FLAGS.compile_cache_dir)
     path = resolve_model_path(FLAGS.model)
-    cfg, params, tokenizer = load_model(path, dtype=FLAGS.dtype,
-                                        cache_dir=FLAGS.params_cache_dir or None)
+    cache_dir = FLAGS.params_cache_dir if FLAGS.num_processes == 1 else None  # see start_multihost
+    cfg, params, tokenizer = load_model(path, dtype=FLAGS.dtype, cache_dir=cache_dir or None)
     config = make_engine_config(cfg, **engine_args_from_flags())
     name = FLAGS.served_model_name or Path(path).stem
-    return LLMEngine(config, params, tokenizer, model_name=name)
+    engine = LLMEngine(config, params, tokenizer, model_name=name)
+    if FLAGS.num_processes > 1:  # the leader: each step is broadcast to the followers
+        from jaxserve.multihost import Leader
+
+        Leader(engine.runner)  # stops the followers at exit
+    return engine
+
+
+def start_multihost() -> bool:
+    """With --num_processes > 1: join jax.distributed; a follower (process_id > 0) then
+    loads the same model and runner, runs the leader's steps until it stops, and this
+    returns True (the command is done). False for a single process or the leader.
+
+    Raises:
+      app.UsageError: --num_processes > 1 without --coordinator_address.
+    """
+    if FLAGS.num_processes <= 1:
+        return False
+    if not FLAGS.coordinator_address:
+        raise app.UsageError("--num_processes > 1 needs --coordinator_address=host:port")
+    from jaxserve import multihost
+
+    multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    if FLAGS.process_id == 0:
+        return False
+    from jaxserve.checkpoint import load_model
+    from jaxserve.checkpoint.default import resolve_model_path
+    from jaxserve.engine import make_engine_config
+    from jaxserve.model_runner import ModelRunner, enable_compilation_cache
+    from jaxserve.scheduler.buckets import BucketPolicy
+
+    enable_compilation_cache(FLAGS.compile_cache_dir)
+    # No params cache with several processes: its orbax save/restore would wait at a
+    # cross-process barrier the other processes never reach.
+    cfg, params, _ = load_model(resolve_model_path(FLAGS.model), dtype=FLAGS.dtype,
+                                cache_dir=None)
+    config = make_engine_config(cfg, **engine_args_from_flags())
+    runner = ModelRunner(config, params, bucket_policy=BucketPolicy.from_config(config.scheduler))
+    runner.warmup(progress=False)
+    multihost.follower_loop(runner)
+    return True
 
 
 def read_prompts(path: str | None, inline: Sequence[str]) -> list[dict[str, Any]]:
@@ -270,6 +320,8 @@ def main(argv: Sequence[str]) -> int:
     if len(argv) < 2 or argv[1] not in ("generate", "serve", "bench"):
         raise app.UsageError("usage: jaxserve generate|serve|bench [flags]")
     cmd = argv[1]
+    if cmd in ("generate", "serve") and start_multihost():
+        return 0  # a follower: its leader stopped
     if cmd == "generate":
         return cmd_generate()
     if cmd == "serve":

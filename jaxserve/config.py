@@ -319,8 +319,14 @@ class EngineConfig:
     # Build the "score" programs (one per token bucket: LM head + log_softmax over every
     # token row) for prompt_logprobs, echo with logprobs and LLM.score; off: those are a 400.
     enable_prompt_logprobs: bool = True
+    # Devices the model is split over (Megatron-style tensor parallelism, jaxserve/parallel.py);
+    # checked against the heads and the devices by the runner, before any compile.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size!r} must be a "
+                 f"positive int")
         _require(self.attention_backend in ("auto", "xla", "pallas", "pallas_mosaic",
                                             "pallas_triton"),
                  f"EngineConfig.attention_backend={self.attention_backend!r} must be "

@@ -40,6 +40,7 @@ from jaxserve.batch import build_batch
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model.attention import AttentionBackend, CommonAttentionMetadata, get_attention_backend
 from jaxserve.model.llama import compute_logits, paged_attn, prepare_params, run_layers
+from jaxserve.parallel import TensorParallel
 from jaxserve.request import Request
 from jaxserve.runner import RowError, RowResult, RunnerStats, SampledToken
 from jaxserve.scoring import merge_scores, scoring_plan, split_scores
@@ -193,16 +194,31 @@ class ModelRunner:
       bucket_policy: the (T_pad, S_pad) shapes this runner may be asked for.
       strict_compiles: raise instead of compiling when a step after warm-up
         needs a program warm-up did not build (None: `config.strict_compiles`).
+      vocab_parallel: with TP, split embed / lm_head over the vocabulary (True) or
+        replicate them (False); None: split when TP divides the vocabulary (faster in
+        notes/parallel.md's measurements).
 
     The pool size N is `config.cache.num_kv_blocks`, or what
     `kv_cache_memory_bytes` holds; the cache is 2 x [L, N, B, K, D] in cfg.dtype.
+    With `config.tensor_parallel_size` > 1 params and cache are sharded over a
+    mesh (`jaxserve.parallel`; K becomes K' = max(K, TP) when KV heads are
+    replicated) and the programs compile with those shardings.
+
+    Raises:
+      ValueError: a TP size the heads or the devices do not allow, before any compile.
     """
 
     def __init__(self, config: EngineConfig, params: Any, *, bucket_policy: BucketPolicy,
-                 strict_compiles: bool | None = None):
+                 strict_compiles: bool | None = None, vocab_parallel: bool | None = None):
         CacheHits.install()
         self.config = config
         self.cfg = config.model
+        self.tp = TensorParallel(self.cfg, config.tensor_parallel_size,  # validates first
+                                 vocab_parallel=vocab_parallel)
+        self.model_cfg = self.tp.model_cfg  # what the programs run (K' KV heads)
+        if self.tp.mesh is not None:
+            logger.info(self.tp.describe())
+        self.leader = None  # multi-host: `jaxserve.multihost.Leader`, broadcasts each step
         self.block_size = config.cache.block_size
         self.num_kv_blocks = resolve_num_kv_blocks(config)
         logger.info(describe_capacity(config, self.num_kv_blocks))
@@ -210,27 +226,43 @@ class ModelRunner:
         self.bucket_policy = bucket_policy
         self.strict_compiles = config.strict_compiles if strict_compiles is None else strict_compiles
         self.max_seq_bucket = bucket_policy.seq_buckets[-1]  # the stack's row dimension
-        self.backend = get_attention_backend(config.attention_backend, self.cfg,
-                                             block_size=self.block_size,
-                                             interpret=config.attention_interpret)
-        self.params = prepare_params(self.cfg, params, unroll_layers=config.unroll_layers)
+        self.backend = self.tp.shard_attention(get_attention_backend(
+            config.attention_backend, self.model_cfg, block_size=self.block_size,
+            interpret=config.attention_interpret))
+        self.params = prepare_params(self.cfg, params, unroll_layers=config.unroll_layers,
+                                     place=self.tp.place_params)
         self.kv_cache = self._zero_kv_cache()
-        self._stack_jit = jax.jit(functools.partial(_stack_fn, self.cfg, self.backend),
-                                  donate_argnums=(1,))
-        self._head_jit = jax.jit(functools.partial(_head_fn, self.cfg, config.max_logprobs,
-                                                   config.logprobs_mode))
-        self.score_enabled = config.enable_prompt_logprobs
-        self._score_jit = jax.jit(functools.partial(_score_fn, self.cfg, config.max_logprobs))
+        stack_sh, head_sh, score_sh = self._jit_shardings()
+        self._stack_jit = jax.jit(functools.partial(_stack_fn, self.model_cfg, self.backend),
+                                  donate_argnums=(1,), **stack_sh)
+        self._head_jit = jax.jit(functools.partial(_head_fn, self.model_cfg, config.max_logprobs,
+                                                   config.logprobs_mode), **head_sh)
+        # Scoring (prompt logprobs) needs its program run in lock-step on every process;
+        # multi-host serves without it (a clear per-row error, below).
+        self.score_enabled = config.enable_prompt_logprobs and jax.process_count() == 1
+        self._score_jit = jax.jit(functools.partial(_score_fn, self.model_cfg,
+                                                    config.max_logprobs), **score_sh)
         # ("stack", T_pad), ("head", S_pad) and ("score", T_pad) -> jax.stages.Compiled
         self._programs: dict[tuple[str, int], Any] = {}
         self._warm = False
         self._stats = RunnerStats()
 
+    def _jit_shardings(self) -> tuple[dict, dict, dict]:
+        """Explicit in/out shardings of the stack and head programs under a mesh: params
+        and cache as placed, the step batch and every output replicated."""
+        if self.tp.mesh is None:
+            return {}, {}, {}
+        ps = jax.tree.map(lambda a: a.sharding, self.params)
+        kv, r = (self.tp.kv_sharding,) * 2, self.tp.replicated
+        return (dict(in_shardings=(ps, kv, r), out_shardings=(r, kv, r)),
+                dict(in_shardings=(ps, r, r), out_shardings=r),
+                dict(in_shardings=(ps, r, r), out_shardings=r))
+
     def _zero_kv_cache(self) -> tuple[jax.Array, jax.Array]:
         shape = (self.cfg.num_hidden_layers, self.num_kv_blocks, self.block_size,
-                 self.cfg.num_key_value_heads, self.cfg.head_dim)
+                 self.model_cfg.num_key_value_heads, self.cfg.head_dim)
         dt = jnp.dtype(self.cfg.dtype)
-        return jnp.zeros(shape, dt), jnp.zeros(shape, dt)
+        return tuple(self.tp.zeros(shape, dt, self.tp.kv_sharding) for _ in range(2))
 
     def reset(self) -> bool:
         """After a failed step: a fresh zeroed cache if the failure consumed the donated
@@ -251,9 +283,14 @@ class ModelRunner:
 
         Raises:
           ValueError: a missing/extra/mis-shaped/non-floating leaf (from
-            `prepare_params`) or a layout mismatch, naming the leaf's path.
+            `prepare_params`) or a layout mismatch, naming the leaf's path; or a
+            multi-host run (num_processes > 1).
         """
-        new = prepare_params(self.cfg, params, unroll_layers=self.config.unroll_layers)
+        if jax.process_count() > 1:  # the followers would keep serving the old weights
+            raise ValueError(f"update_params is not supported across {jax.process_count()} "
+                             f"processes (multi-host)")
+        new = prepare_params(self.cfg, params, unroll_layers=self.config.unroll_layers,
+                             place=self.tp.place_params)
         old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.params)
         new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
         if old_def != new_def:
@@ -337,18 +374,13 @@ class ModelRunner:
         if plan is not None and not self.score_enabled:
             for rid, *_ in plan.spans:
                 results.setdefault(rid, RowError("prompt logprobs need an engine started with "
-                                                 "enable_prompt_logprobs=True"))
+                                                 "enable_prompt_logprobs=True in one process"))
             plan = None
-        stack = self._program(("stack", out.token_bucket))
-        head = self._program(("head", out.seq_bucket))
-        score = self._program(("score", out.token_bucket)) if plan is not None else None
-        dev = jax.device_put(host)
-        rows, self.kv_cache, hidden = stack(self.params, self.kv_cache,
-                                            dataclasses.replace(dev, sampling=None))
-        res = head(self.params, rows, dev.sampling)  # rows [S_max, E] never leave the device
-        scored = () if score is None else score(self.params, hidden, jax.device_put(plan.targets))
-        ids, lps, top_ids, top_lps, scored = jax.device_get(
-            (res.token_ids, res.logprobs, res.top_ids, res.top_logprobs, scored))
+        if self.leader is not None:  # multi-host: the followers run the same step
+            self.leader.send_step(out.token_bucket, out.seq_bucket, host)
+        ids, lps, top_ids, top_lps, scored = self.run_host_batch(
+            host, out.token_bucket, out.seq_bucket,
+            targets=None if plan is None else plan.targets)
         st = self._stats
         st.num_steps += 1
         shape = (out.token_bucket, out.seq_bucket)
@@ -360,6 +392,24 @@ class ModelRunner:
         if plan is not None:
             merge_scores(results, split_scores(plan, *scored))
         return results
+
+    def run_host_batch(self, host: StepBatch, t_pad: int, s_pad: int, *,
+                       targets: np.ndarray | None = None) -> tuple[Any, ...]:
+        """The device half of a step: a host batch at (t_pad, s_pad) -> its programs ->
+        NumPy (token_ids [S], logprobs [S], top_ids [S, k], top_logprobs [S, k], scored).
+        `targets` i32[t_pad] (a `ScoringPlan`'s): also run the ("score", t_pad) program
+        on the hidden rows; `scored` is then its (target logprobs [T], top ids [T, k],
+        top logprobs [T, k]), else (). Multi-host followers call it with the batch the
+        leader broadcast (and never with targets: scoring is one-process only)."""
+        stack = self._program(("stack", t_pad))
+        head = self._program(("head", s_pad))
+        score = self._program(("score", t_pad)) if targets is not None else None
+        dev = self.tp.put_batch(host)
+        rows, self.kv_cache, hidden = stack(self.params, self.kv_cache,
+                                            dataclasses.replace(dev, sampling=None))
+        res = head(self.params, rows, dev.sampling)  # rows [S_max, E] never leave the device
+        scored = () if score is None else score(self.params, hidden, self.tp.put_batch(targets))
+        return self.tp.fetch((res.token_ids, res.logprobs, res.top_ids, res.top_logprobs, scored))
 
     # -------------------------------------------------------- programs
     def _padding_batch(self, t_pad: int, s_pad: int) -> StepBatch:

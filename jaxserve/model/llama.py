@@ -19,7 +19,7 @@ Optional layer leaves, present only for the families that have them:
   (cfg.qk_norm).
 Loaders and the params cache produce it as NumPy; `prepare_params` is the one
 transform into the engine layout (dtype, unstacked layers, optionally fused
-projections; later sharding). The forward functions are pure functions of either layout: with
+projections; sharded placement with `place`). The forward functions are pure functions of either layout: with
 stacked layers they run under `jax.lax.scan` (compile time flat in depth),
 with unstacked ones as an unrolled loop.
 """
@@ -141,7 +141,8 @@ def fuse_projections(cfg: ModelConfig, lp: Mapping[str, object]) -> dict[str, ob
 
 
 def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, object]", *,
-                   unroll_layers: bool, fuse: bool = False) -> Params:
+                   unroll_layers: bool, fuse: bool = False,
+                   place: Callable[[dict], Params] | None = None) -> Params:
     """The one transform from the canonical tree to the engine layout, on the device.
 
     Validates (`validate_params`), casts every leaf to cfg.dtype, with `fuse`
@@ -161,13 +162,20 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
       fuse: fused q/k/v and gate/up projections. Off by default: three same-process
         A/Bs on SmolLM2 (notes/perf.md, 2026-12-01) measured the fused step 3-20%
         slower on XLA:CPU; kept so `scripts/profile_step.py fwd` can re-measure it.
+      place: puts the host-layout tree on the devices (default one `jax.device_put`);
+        tensor parallelism passes `jaxserve.parallel.TensorParallel.place_params`,
+        which places each leaf shard by shard with its sharding.
 
     Returns:
       The engine-layout tree of device arrays in cfg.dtype.
 
     Raises:
-      ValueError: a missing, extra, mis-shaped or non-floating leaf (naming its path).
+      ValueError: a missing, extra, mis-shaped or non-floating leaf (naming its path),
+        or fuse with a `place` (the fused layout has no tensor-parallel specs).
     """
+    if fuse and place is not None:
+        raise ValueError("prepare_params: fuse=True has no sharded layout; use fuse=False "
+                         "with a placement (tensor parallelism)")
     tree = canonical_params(params)
     validate_params(cfg, tree)
     dt = jnp.dtype(cfg.dtype)
@@ -179,7 +187,7 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
                          for i in range(cfg.num_hidden_layers)]
     else:
         out["layers"] = layout({k: _cast(w, dt) for k, w in layers.items()})
-    return jax.device_put(out)
+    return (place or jax.device_put)(out)
 
 
 # ---------------------------------------------------------------- RoPE

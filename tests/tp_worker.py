@@ -1,0 +1,147 @@
+"""Tensor-parallel checks run in a child process with fake CPU devices.
+
+`XLA_FLAGS=--xla_force_host_platform_device_count=4` must be set before jax
+initialises, and the rest of the suite runs on one device, so
+tests/test_tensor_parallel.py runs this module as `python -m tests.tp_worker
+<group>` and asserts on the JSON it prints last. Groups: "xla" (TP = 1, 2, 4 through
+the whole engine on a tiny 8-query / 2-KV-head model, shard shapes, bytes per
+device, update_params, bad sizes), "pallas" (the same with the Pallas Triton
+kernel per shard in interpret mode), "smollm2" (TP = 3 on the real model).
+The parent sets XLA_FLAGS; this module never does, since test_multihost.py imports
+its constants into the one-device test process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from jaxserve.engine import LLMEngine, make_engine_config
+from jaxserve.parallel import shard_report
+from jaxserve.sampling_params import SamplingParams
+
+# vocab 68: TP 2 and 4 divide it, so the default vocab-parallel embed / lm_head is used.
+TINY_HEADS = dict(num_attention_heads=8, num_key_value_heads=2, vocab_size=68)
+# Batched, chunked (prompts up to 33 tokens over a 16-token budget) and preempted
+# (15 usable blocks x 4 tokens cannot hold the running requests at once).
+TINY_ENGINE = dict(max_model_len=64, block_size=4, num_kv_blocks=16, max_num_seqs=4,
+                   max_num_batched_tokens=16, token_buckets=(8, 16), seq_buckets=(4,),
+                   strict_compiles=True)
+PROMPTS = [list(range(3, 3 + 5 + 7 * i)) for i in range(5)]
+
+
+def _run(engine, prompts, max_tokens=12, logprobs=3):
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                        logprobs=logprobs)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                done[o.request_id] = {"ids": c.token_ids,
+                                      "logprobs": [{str(k): v for k, v in d.items()}
+                                                   for d in c.logprobs or ()]}
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def _shards(runner):
+    rep, kv = shard_report(runner.params), shard_report(runner.kv_cache)
+    layer0 = {k.split("'")[-2]: v for k, v in rep["shards"].items() if "[0]" in k}
+    return {"param_bytes": rep["bytes_per_device"], "kv_bytes": kv["bytes_per_device"],
+            "layer0": layer0, "embed": rep["shards"]["['embed']"],
+            "lm_head": rep["shards"].get("['lm_head']"), "vocab_parallel": runner.tp.vocab_parallel,
+            "kv_shards": kv["shards"]["[0]"], "kv_shape": list(runner.kv_cache[0].shape)}
+
+
+def engine_group(backend: str, interpret: bool, tps: tuple[str, ...], *, prompts=PROMPTS,
+                 max_tokens: int = 12, **cfg_kw) -> dict:
+    """Per entry of tps ("4": TP = 4, "4r": TP = 4 with replicated embed / lm_head)."""
+    from jaxserve.model_runner import ModelRunner
+    from jaxserve.scheduler.buckets import BucketPolicy
+    from tests.conftest import tiny_params
+
+    cfg, params = tiny_params(**{**TINY_HEADS, **cfg_kw})
+    out = {"devices": len(jax.devices()), "tp": {}}
+    for name in tps:
+        tp = int(name.rstrip("r"))
+        be = "xla" if tp == 1 else backend  # TP = 1 on xla: the reference
+        config = make_engine_config(cfg, attention_backend=be, attention_interpret=interpret
+                                    and be != "xla", tensor_parallel_size=tp, **TINY_ENGINE)
+        runner = ModelRunner(config, params, bucket_policy=BucketPolicy.from_config(
+            config.scheduler), vocab_parallel=False if name.endswith("r") else None)
+        eng = LLMEngine(config, runner=runner, progress=False)
+        r = {"runs": _run(eng, prompts, max_tokens), "backend": eng.runner.backend.name,
+             "sharded": type(eng.runner.backend).__name__, **_shards(eng.runner)}
+        st = eng.get_stats()
+        r.update(preemptions=st["num_preemptions"], late=st["num_compiles_after_warmup"],
+                 programs=st["warmup_programs"], free=st["num_free_blocks"],
+                 total=st["num_total_blocks"])
+        if name in ("2", "4") and backend == "xla":  # weights swap: same shardings, no recompile
+            eng.update_params(params)
+            eng.step()  # delivers nothing (idle), keeps the engine clean
+            r["after_update"] = _run(eng, PROMPTS[:2])
+            r["late_after_update"] = eng.get_stats()["num_compiles_after_warmup"]
+        out["tp"][name] = r
+    if backend == "xla":
+        out["errors"] = bad_sizes(cfg, params)
+    return out
+
+
+def bad_sizes(cfg, params) -> dict:
+    """Each bad TP size: its error message, and how many XLA compiles it triggered."""
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    errors = {}
+    for tp in (3, 8):
+        n0 = len(compiles)
+        try:
+            LLMEngine(make_engine_config(cfg, attention_backend="xla", tensor_parallel_size=tp,
+                                         **TINY_ENGINE), params, None, progress=False)
+            errors[str(tp)] = None
+        except ValueError as e:
+            errors[str(tp)] = {"msg": str(e), "compiles": len(compiles) - n0}
+    return errors
+
+
+def smollm2_group() -> dict:
+    from jaxserve.checkpoint import load_model
+    from jaxserve.checkpoint.default import resolve_model_path
+    from tests.test_real_model import GOLDEN
+
+    golden = json.loads(GOLDEN.read_text())
+    cfg, params, tok = load_model(resolve_model_path(None), dtype="float32")
+    config = make_engine_config(cfg, max_model_len=128, block_size=16, num_kv_blocks=48,
+                                max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32),
+                                seq_buckets=(4,), attention_backend="xla", tensor_parallel_size=3,
+                                strict_compiles=True)
+    eng = LLMEngine(config, params, tok, progress=False)
+    runs = _run(eng, [r["prompt_ids"] for r in golden["runs"]],
+                max_tokens=golden["max_new_tokens"], logprobs=None)
+    st = eng.get_stats()
+    return {"ids": [r["ids"] for r in runs], "late": st["num_compiles_after_warmup"],
+            **_shards(eng.runner)}
+
+
+def main(argv: list[str]) -> None:
+    group = argv[1]
+    if group == "xla":
+        res = engine_group("xla", False, ("1", "2", "4", "4r"))
+    elif group == "pallas":  # Triton needs head_dim >= 16; the interpreter is slow: 3 prompts
+        res = engine_group("pallas_triton", True, ("1", "2", "4"), prompts=PROMPTS[:3],
+                           max_tokens=6, head_dim=16)
+    elif group == "smollm2":
+        res = smollm2_group()
+    else:
+        raise SystemExit(f"unknown group {group!r}")
+    print("RESULT " + json.dumps(res, default=lambda x: np.asarray(x).tolist()))
+
+
+if __name__ == "__main__":
+    main(sys.argv)
