@@ -44,6 +44,9 @@ def xla():
 def assert_same_runs(got: list, want: list, tol: float = 1e-4) -> None:
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g["ids"] == w["ids"], f"request {i}: {g['ids']} != TP=1 {w['ids']}"
+        if w.get("prompt") is not None:  # prompt logprobs: the score programs, sharded
+            np.testing.assert_allclose(g["prompt"], w["prompt"], atol=tol)
+            assert any(w["prompt"]), "the prompt logprobs must have been scored"
         for step, (gd, wd) in enumerate(zip(g["logprobs"], w["logprobs"], strict=True)):
             assert gd.keys() == wd.keys(), f"request {i} step {step}: top ids differ"
             for tok in wd:
@@ -93,7 +96,8 @@ def test_tp2_tp4_same_tokens_and_logprobs_as_tp1(xla):
     for tp in ("2", "4", "4r"):
         r = xla["tp"][tp]
         assert_same_runs(r["runs"], ref["runs"])
-        assert r["late"] == 0 and r["programs"] == ref["programs"] == 3  # one per bucket
+        # one per bucket: stacks (8, 16), head (4), score (8, 16)
+        assert r["late"] == 0 and r["programs"] == ref["programs"] == 5
         assert r["free"] == r["total"]  # nothing leaked
         assert r["preemptions"] == ref["preemptions"]
 

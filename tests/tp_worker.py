@@ -33,9 +33,10 @@ TINY_ENGINE = dict(max_model_len=64, block_size=4, num_kv_blocks=16, max_num_seq
 PROMPTS = [list(range(3, 3 + 5 + 7 * i)) for i in range(5)]
 
 
-def _run(engine, prompts, max_tokens=12, logprobs=3):
+def _run(engine, prompts, max_tokens=12, logprobs=3, prompt_logprobs=None):
+    # prompt_logprobs: the score programs (LM head over every token row) run sharded too
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        logprobs=logprobs)
+                        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, sp)
     done = {}
@@ -45,7 +46,9 @@ def _run(engine, prompts, max_tokens=12, logprobs=3):
                 c = o.outputs[0]
                 done[o.request_id] = {"ids": c.token_ids,
                                       "logprobs": [{str(k): v for k, v in d.items()}
-                                                   for d in c.logprobs or ()]}
+                                                   for d in c.logprobs or ()],
+                                      "prompt": None if prompt_logprobs is None else
+                                      np.nan_to_num(o.prompt_token_logprobs, nan=0.0).tolist()}
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -75,7 +78,8 @@ def engine_group(backend: str, interpret: bool, tps: tuple[str, ...], *, prompts
         runner = ModelRunner(config, params, bucket_policy=BucketPolicy.from_config(
             config.scheduler), vocab_parallel=False if name.endswith("r") else None)
         eng = LLMEngine(config, runner=runner, progress=False)
-        r = {"runs": _run(eng, prompts, max_tokens), "backend": eng.runner.backend.name,
+        r = {"runs": _run(eng, prompts, max_tokens, prompt_logprobs=2),
+             "backend": eng.runner.backend.name,
              "sharded": type(eng.runner.backend).__name__, **_shards(eng.runner)}
         st = eng.get_stats()
         r.update(preemptions=st["num_preemptions"], late=st["num_compiles_after_warmup"],
