@@ -316,8 +316,14 @@ class EngineConfig:
     # Refuse (RuntimeError) a step whose program warm-up did not build, instead of
     # compiling it late with an ERROR log (on in the test suite).
     strict_compiles: bool = False
+    # "full": every program is built before the engine is ready. "progressive": ready once
+    # the smallest token bucket's and every seq bucket's programs are built; the rest
+    # compile in a background thread while steps are capped at the largest ready bucket.
+    warmup: Literal["full", "progressive"] = "full"
 
     def __post_init__(self):
+        _require(self.warmup in ("full", "progressive"),
+                 f"EngineConfig.warmup={self.warmup!r} must be 'full' or 'progressive'")
         _require(self.attention_backend in ("auto", "xla", "pallas", "pallas_mosaic",
                                             "pallas_triton"),
                  f"EngineConfig.attention_backend={self.attention_backend!r} must be "

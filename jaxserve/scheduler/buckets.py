@@ -106,6 +106,8 @@ class BucketPolicy:
         self._steps = {b: 0 for b in self.token_buckets}
         self._real = {b: 0 for b in self.token_buckets}
         self._seq_steps = {b: 0 for b in self.seq_buckets}
+        # Progressive warm-up: the largest token bucket whose programs are ready (None: all).
+        self.token_cap: int | None = None
 
     @classmethod
     def from_config(cls, cfg: SchedulerConfig) -> "BucketPolicy":
@@ -200,6 +202,34 @@ class BucketPolicy:
         stacks = sorted({t for t, _ in shapes})
         heads = sorted({s for _, s in shapes})
         return [("stack", t) for t in stacks] + [("head", s) for s in heads]
+
+    # Program families whose size is a token bucket (T_pad); every other family is sized
+    # by a seq bucket and is built before the engine reports ready (a family missing
+    # here is merely built early: still correct). Another family per T_pad adds its name.
+    TOKEN_FAMILIES = ("stack", "score")
+
+    def program_stages(self) -> list[tuple[int, list[tuple[str, int]]]]:
+        """`program_keys()` grouped for progressive warm-up: [(token_cap, keys)], in order.
+
+        Stage 0 holds every program of the smallest token bucket plus every program
+        not indexed by a token bucket (the heads); stage i > 0 the token-bucket programs
+        of token bucket i. Once stages 0..i are built, every step of at most
+        `token_cap_i` tokens has its programs (a step of t tokens pads to a bucket <= t's
+        cap, and needs one program of each family), so the scheduler may plan up to it.
+        """
+        by_t: dict[int, list[tuple[str, int]]] = {t: [] for t in self.token_buckets}
+        rest: list[tuple[str, int]] = []
+        for key in self.program_keys():
+            (by_t[key[1]] if key[0] in self.TOKEN_FAMILIES else rest).append(key)
+        ts = self.token_buckets
+        return [(ts[0], by_t[ts[0]] + rest)] + [(t, by_t[t]) for t in ts[1:]]
+
+    @property
+    def token_budget(self) -> int:
+        """Most tokens one step may hold now: the largest token bucket, or the cap while
+        progressive warm-up has not yet built the larger buckets (more steps, same tokens)."""
+        cap = self.token_cap
+        return self.token_buckets[-1] if cap is None else cap
 
     # ------------------------------------------------------------ counters
     def record(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
