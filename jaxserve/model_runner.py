@@ -23,12 +23,14 @@ bug it is (or refused with `strict_compiles`).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import logging
 import math
 import threading
 import time
+import weakref
 from typing import Any, Mapping
 
 import jax
@@ -106,6 +108,17 @@ def enable_executable_cache(cache_dir: str | None) -> None:
     (`jaxserve.executable_cache`: a restart then skips tracing too; None or '': off)."""
     global _EXECUTABLE_CACHE_DIR
     _EXECUTABLE_CACHE_DIR = str(cache_dir) if cache_dir else None
+
+
+_WARMING_RUNNERS: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_background_warmups() -> None:
+    """At exit, let an in-flight background compile finish (XLA aborts the process when
+    the interpreter is torn down under a compiling thread); later programs are skipped."""
+    for runner in list(_WARMING_RUNNERS):
+        runner.close(timeout=None)
 
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
@@ -479,6 +492,7 @@ class ModelRunner:
         self._warmup_thread = threading.Thread(target=self._background_warmup,
                                                args=(rest, t0, counts0),
                                                name="jaxserve-warmup", daemon=True)
+        _WARMING_RUNNERS.add(self)
         self._warmup_thread.start()
 
     def _background_warmup(self, stages, t0: float, counts0: tuple[int, int, int]) -> None:
