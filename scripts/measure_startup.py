@@ -76,14 +76,14 @@ def main() -> None:
                 "stream": True}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
             for line in r.iter_lines():
-                if line.startswith("data: ") and '"text"' in line:
+                if "first_token_s" not in res and line.startswith("data: ") and '"text"' in line:
                     res["first_token_s"] = time.perf_counter() - t0
-                    break
-            for _ in r.iter_lines():
-                pass
         res["first_request_done_s"] = time.perf_counter() - t0
         while not res.get("health", {}).get("warmup_done", True):
-            h = httpx.get(base + "/health", timeout=5).json()
+            try:
+                h = httpx.get(base + "/health", timeout=30).json()
+            except httpx.HTTPError:
+                continue
             if h.get("warmup_done"):
                 res["all_programs_s"] = time.perf_counter() - t0
                 res["health"] = h

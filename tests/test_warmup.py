@@ -34,9 +34,17 @@ def test_program_stages_partition_program_keys():
     p = BucketPolicy((8, 16, 64), (4, 8, 32))
     stages = p.program_stages()
     assert [cap for cap, _ in stages] == [8, 16, 64]
-    # Stage 0: the smallest stack and every head (seq 32 is reachable: 8 + 1 <= 64).
-    assert stages[0][1] == [("stack", 8), ("head", 4), ("head", 8), ("head", 32)]
-    assert stages[1][1] == [("stack", 16)] and stages[2][1] == [("stack", 64)]
+    # Stage 0: the smallest stack and the heads a step of <= 8 tokens can need (<= 8
+    # sequences); seq bucket 32 covers 9..32 sequences, first reachable at 16 tokens.
+    assert stages[0][1] == [("stack", 8), ("head", 4), ("head", 8)]
+    assert stages[1][1] == [("stack", 16), ("head", 32)]
+    assert stages[2][1] == [("stack", 64)]
+    # A family sized per token bucket (another branch's scoring programs) follows its stack.
+    p.TOKEN_FAMILIES = ("stack", "score")
+    p.program_keys = lambda: BucketPolicy.program_keys(p) + [("score", 8), ("score", 64)]
+    stages = p.program_stages()
+    assert set(stages[0][1]) == {("stack", 8), ("score", 8), ("head", 4), ("head", 8)}
+    assert set(stages[2][1]) == {("stack", 64), ("score", 64)}
     flat = [k for _, keys in stages for k in keys]
     assert sorted(flat) == sorted(p.program_keys()) and len(flat) == len(set(flat))
     assert p.token_budget == 64

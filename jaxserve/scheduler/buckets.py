@@ -211,18 +211,24 @@ class BucketPolicy:
     def program_stages(self) -> list[tuple[int, list[tuple[str, int]]]]:
         """`program_keys()` grouped for progressive warm-up: [(token_cap, keys)], in order.
 
-        Stage 0 holds every program of the smallest token bucket plus every program
-        not indexed by a token bucket (the heads); stage i > 0 the token-bucket programs
-        of token bucket i. Once stages 0..i are built, every step of at most
-        `token_cap_i` tokens has its programs (a step of t tokens pads to a bucket <= t's
-        cap, and needs one program of each family), so the scheduler may plan up to it.
+        Stage i holds the programs first needed once steps may hold up to token bucket
+        T_i tokens: T_i's token-bucket programs (the stack) and the seq-bucket programs
+        (the heads) of the seq buckets first reachable at T_i (S_j with S_{j-1} + 1 <= T_i,
+        as in `all_shapes`). Once stages 0..i are built, every step of at most T_i tokens
+        has all its programs, so the scheduler may plan up to `token_cap = T_i`. A key
+        of neither kind lands in stage 0 (built before ready: never missing).
         """
-        by_t: dict[int, list[tuple[str, int]]] = {t: [] for t in self.token_buckets}
-        rest: list[tuple[str, int]] = []
-        for key in self.program_keys():
-            (by_t[key[1]] if key[0] in self.TOKEN_FAMILIES else rest).append(key)
-        ts = self.token_buckets
-        return [(ts[0], by_t[ts[0]] + rest)] + [(t, by_t[t]) for t in ts[1:]]
+        shapes = self.all_shapes()
+        seen: set[tuple[str, int]] = set()
+        stages: list[tuple[int, list[tuple[str, int]]]] = []
+        for t_i in self.token_buckets:
+            reach = {s for t, s in shapes if t <= t_i}
+            stage = [k for k in self.program_keys() if k not in seen and (
+                k[1] == t_i if k[0] in self.TOKEN_FAMILIES else k[1] in reach)]
+            seen.update(stage)
+            stages.append((t_i, stage))
+        stages[0][1].extend(k for k in self.program_keys() if k not in seen)
+        return stages
 
     @property
     def token_budget(self) -> int:
