@@ -257,6 +257,19 @@ class ExecutableCache:
                            path.name, name, type(e).__name__, e)
             return None
 
+    def _remove_dead_temporaries(self) -> None:
+        """Delete temporary files whose writer process is gone (killed mid-write)."""
+        for tmp in self.dir.glob(".*.tmp"):
+            try:
+                pid = int(tmp.name.split(".")[2])
+                os.kill(pid, 0)  # raises if no such process
+            except ProcessLookupError:
+                logger.info("removing the executable-cache temporary %s of a dead process",
+                            tmp.name)
+                tmp.unlink(missing_ok=True)
+            except (ValueError, IndexError, PermissionError, OSError):
+                continue
+
     def store(self, parts: dict, compiled: Any) -> bool:
         """Write `compiled` under `parts` (atomically); False (logged) if it could not be."""
         from jax.experimental import serialize_executable
@@ -269,7 +282,9 @@ class ExecutableCache:
             header = {"key": parts, "payload_bytes": len(payload),
                       "payload_sha256": hashlib.sha256(payload).hexdigest()}
             self.dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=self.dir)
+            self._remove_dead_temporaries()
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.{os.getpid()}.", suffix=".tmp",
+                                       dir=self.dir)
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC)
                 f.write(json.dumps(header, sort_keys=True, default=str).encode() + b"\n")

@@ -19,6 +19,13 @@ each is counted as built by XLA or loaded from the persistent compile cache
 (jax's public `jax.monitoring` event '/jax/compilation_cache/cache_hits'), and
 a step whose shape has no program is a counted late compile, logged as the
 bug it is (or refused with `strict_compiles`).
+
+Start-up (issue 12): with `EngineConfig.warmup="progressive"` warm-up returns once
+the smallest token bucket's programs are ready and builds the rest in a background
+thread, capping the scheduler's token budget (`BucketPolicy.token_cap`) at the
+largest ready bucket meanwhile; with an executable cache (`enable_executable_cache`,
+`jaxserve.executable_cache`) a restart deserializes each program instead of tracing,
+lowering and compiling it.
 """
 
 from __future__ import annotations

@@ -125,6 +125,10 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
     compiled = jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.zeros(16)).compile()
     cache = ExecutableCache(tmp_path / "c")
     parts = {"family": "probe", "size": 16, "k": "v"}
+    (tmp_path / "c").mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a writer killed mid-write left its temporary behind
+    (tmp_path / "c" / f".probe_16_x.{dead.pid}.abc.tmp").write_bytes(b"half")
     threads = [threading.Thread(target=cache.store, args=(parts, compiled)) for _ in range(8)]
     for t in threads:
         t.start()
