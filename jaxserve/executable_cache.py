@@ -289,6 +289,9 @@ class ExecutableCache:
                 f.write(MAGIC)
                 f.write(json.dumps(header, sort_keys=True, default=str).encode() + b"\n")
                 f.write(payload)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide it from other users
             os.replace(tmp, path)
             return True
         except Exception as e:  # noqa: BLE001 - caching is an optimisation
