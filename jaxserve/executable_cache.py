@@ -49,6 +49,8 @@ import jax
 
 logger = logging.getLogger(__name__)
 
+_UMASK = os.umask(0o022)  # read once, at import (os.umask is process-wide, not thread-safe)
+os.umask(_UMASK)
 MAGIC = b"JAXSERVE-EXECUTABLE-1\n"
 SUFFIX = ".jxe"
 
@@ -289,9 +291,7 @@ class ExecutableCache:
                 f.write(MAGIC)
                 f.write(json.dumps(header, sort_keys=True, default=str).encode() + b"\n")
                 f.write(payload)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide it from other users
+            os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide it from other users
             os.replace(tmp, path)
             return True
         except Exception as e:  # noqa: BLE001 - caching is an optimisation
