@@ -55,7 +55,7 @@ flags.DEFINE_string("executable_cache_dir", "checkpoints/executable_cache",
                     "Serialized compiled step programs: a restart skips tracing ('' disables).")
 flags.DEFINE_enum("warmup", "auto", ["auto", "full", "progressive"],
                   "full: build every bucket program before ready. progressive: ready once the "
-                  "smallest token bucket and the seq buckets are built, the rest compile in the "
+                  "smallest token bucket's programs are built, the rest compile in the "
                   "background (steps capped meanwhile). auto: progressive for serve, full for "
                   "generate.")
 # ---- generate
@@ -237,8 +237,8 @@ def cmd_generate() -> int:
 def cmd_serve() -> int:
     from jaxserve.server import serve
 
-    serve(lambda: build_engine("progressive"), host=FLAGS.host, port=FLAGS.port, api_key=FLAGS.api_key,
-          max_queued_requests=FLAGS.max_queued_requests,
+    serve(lambda: build_engine("progressive"), host=FLAGS.host, port=FLAGS.port,
+          api_key=FLAGS.api_key, max_queued_requests=FLAGS.max_queued_requests,
           served_model_name=FLAGS.served_model_name)
     return 0
 

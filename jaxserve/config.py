@@ -317,8 +317,9 @@ class EngineConfig:
     # compiling it late with an ERROR log (on in the test suite).
     strict_compiles: bool = False
     # "full": every program is built before the engine is ready. "progressive": ready once
-    # the smallest token bucket's and every seq bucket's programs are built; the rest
-    # compile in a background thread while steps are capped at the largest ready bucket.
+    # the smallest token bucket's programs (and the heads its steps can need) are built;
+    # the rest compile in a background thread while steps are capped at the largest
+    # ready bucket (`BucketPolicy.program_stages`).
     warmup: Literal["full", "progressive"] = "full"
 
     def __post_init__(self):
