@@ -232,7 +232,8 @@ class ExecutableCache:
                 header = json.loads(data[len(MAGIC):data.index(b"\n", len(MAGIC))])
             except (OSError, ValueError):
                 continue
-            mine, theirs = _flatten(parts), _flatten(header.get("key", {}))
+            mine = _flatten(json.loads(json.dumps(parts, default=str)))  # tuples as lists
+            theirs = _flatten(header.get("key", {}))
             diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             shown = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine.get(k)!r}"[:160] for k in diff[:4])
             more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""

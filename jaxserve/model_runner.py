@@ -408,7 +408,11 @@ class ModelRunner:
         if program is None:
             program = fn.lower(*args).compile()
             kind = "loaded" if CacheHits.count() > hits0 else "built"
-            if parts is not None:
+            # Only a fresh XLA compile is stored: on XLA:CPU an executable that came out of
+            # JAX's compile cache re-serializes without its JIT-compiled kernels and fails
+            # at run time ("Function wrapped_iota not found"). It is stored once a compile
+            # is real (`make clean-cache`, or a cold compile-cache dir).
+            if parts is not None and kind == "built":
                 self._exec_cache.store(parts, program)
         with self._stats_lock:
             st = self._stats

@@ -31,6 +31,9 @@ _SCRIPT = textwrap.dedent("""
 
     cache_dir, overrides = sys.argv[1], json.loads(sys.argv[2])
     enable_executable_cache(cache_dir)
+    if len(sys.argv) > 3:
+        from jaxserve.model_runner import enable_compilation_cache
+        enable_compilation_cache(sys.argv[3])
     cfg, params = tiny_params()
     args = dict(max_model_len=64, block_size=4, num_kv_blocks=32, max_num_seqs=2,
                 max_num_batched_tokens=8, token_buckets=(4, 8), seq_buckets=(2,),
@@ -51,8 +54,10 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(cache_dir: Path, **overrides) -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir), json.dumps(overrides)],
+def _run(cache_dir: Path, compile_cache: Path | None = None, **overrides) -> tuple[dict, str]:
+    extra = [str(compile_cache)] if compile_cache else []
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir), json.dumps(overrides),
+                           *extra],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
@@ -138,3 +143,18 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
     x = np.linspace(0, 1, 16, dtype=np.float32)
     np.testing.assert_allclose(np.asarray(cache.load(parts)(x)), np.sin(x) * 2, rtol=1e-6)
     assert cache.load(dict(parts, k="other")) is None  # another key: a miss, not this entry
+
+
+def test_programs_from_the_jax_compile_cache_are_not_stored(tmp_path):
+    # XLA:CPU: an executable loaded from JAX's compile cache re-serializes without its
+    # JIT-compiled kernels and fails when run ("Function wrapped_iota not found"), so
+    # only fresh compiles go into the executable cache.
+    cc = tmp_path / "cc"
+    first, _ = _run(tmp_path / "unused", compile_cache=cc)  # fills the compile cache
+    assert (first["built"], first["restored"]) == (3, 0), first
+    ec = tmp_path / "ec"
+    res, _ = _run(ec, compile_cache=cc)
+    assert (res["built"], res["loaded"], res["restored"]) == (0, 3, 0), res
+    assert not list(ec.glob("*.jxe"))  # nothing stored from compile-cache loads
+    res, _ = _run(ec, compile_cache=cc)
+    assert (res["loaded"], res["restored"]) == (3, 0) and res["tokens"] == first["tokens"]
