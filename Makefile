@@ -52,7 +52,7 @@ soak: setup
 
 # Converted-parameter cache and compile cache live under checkpoints/.
 clean-cache:
-	rm -rf checkpoints/params_cache checkpoints/jax_compile_cache
+	rm -rf checkpoints/params_cache checkpoints/jax_compile_cache checkpoints/executable_cache
 
 # Side by side against llama.cpp's server (issue 11); not part of `make test`.
 # Builds llama.cpp once (~8 min), then 20-40 min of runs. ARGS='--profile=short' for a smoke test.

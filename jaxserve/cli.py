@@ -62,6 +62,13 @@ flags.DEFINE_integer("num_processes", 1, "Processes (hosts) of a multi-host run;
 flags.DEFINE_integer("process_id", 0, "This process's index in [0, num_processes).")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0's jax.distributed "
                     "coordinator (needed with --num_processes > 1).")
+flags.DEFINE_string("executable_cache_dir", "checkpoints/executable_cache",
+                    "Serialized compiled step programs: a restart skips tracing ('' disables).")
+flags.DEFINE_enum("warmup", "auto", ["auto", "full", "progressive"],
+                  "full: build every bucket program before ready. progressive: ready once the "
+                  "smallest token bucket's programs are built, the rest compile in the "
+                  "background (steps capped meanwhile). auto: progressive for serve, full for "
+                  "generate.")
 # ---- generate
 flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
 flags.DEFINE_string("prompts_file", None, "Prompts: .jsonl with 'prompt' (and optional 'max_tokens', 'id') "
@@ -114,18 +121,23 @@ def engine_args_from_flags() -> dict[str, Any]:
     return args
 
 
-def build_engine():
-    """Load the model named by --model and build a warmed-up LLMEngine."""
+def build_engine(auto_warmup: str = "full"):
+    """Load the model named by --model and build a warmed-up LLMEngine
+    (--warmup=auto means `auto_warmup`)."""
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.model_runner import enable_compilation_cache
+    from jaxserve.model_runner import enable_compilation_cache, enable_executable_cache
 
     enable_compilation_cache(FLAGS.compile_cache_dir)
+    enable_executable_cache(FLAGS.executable_cache_dir)
     path = resolve_model_path(FLAGS.model)
     cache_dir = FLAGS.params_cache_dir if FLAGS.num_processes == 1 else None  # see start_multihost
     cfg, params, tokenizer = load_model(path, dtype=FLAGS.dtype, cache_dir=cache_dir or None)
-    config = make_engine_config(cfg, **engine_args_from_flags())
+    warmup = auto_warmup if FLAGS.warmup == "auto" else FLAGS.warmup
+    if FLAGS.num_processes > 1:  # followers must hold every program before the first step
+        warmup = "full"
+    config = make_engine_config(cfg, warmup=warmup, **engine_args_from_flags())
     name = FLAGS.served_model_name or Path(path).stem
     engine = LLMEngine(config, params, tokenizer, model_name=name)
     if FLAGS.num_processes > 1:  # the leader: each step is broadcast to the followers
@@ -282,7 +294,7 @@ def cmd_generate() -> int:
 def cmd_serve() -> int:
     from jaxserve.server import serve
 
-    serve(build_engine, host=FLAGS.host, port=FLAGS.port, api_key=FLAGS.api_key,
+    serve(lambda: build_engine("progressive"), host=FLAGS.host, port=FLAGS.port, api_key=FLAGS.api_key,
           max_queued_requests=FLAGS.max_queued_requests,
           served_model_name=FLAGS.served_model_name,
           allowed_weights_dir=FLAGS.allowed_weights_dir,

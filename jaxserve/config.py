@@ -322,11 +322,18 @@ class EngineConfig:
     # Devices the model is split over (Megatron-style tensor parallelism, jaxserve/parallel.py);
     # checked against the heads and the devices by the runner, before any compile.
     tensor_parallel_size: int = 1
+    # "full": every program is built before the engine is ready. "progressive": ready once
+    # the smallest token bucket's programs (and the heads its steps can need) are built;
+    # the rest compile in a background thread while steps are capped at the largest
+    # ready bucket (`BucketPolicy.program_stages`).
+    warmup: Literal["full", "progressive"] = "full"
 
     def __post_init__(self):
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size!r} must be a "
                  f"positive int")
+        _require(self.warmup in ("full", "progressive"),
+                 f"EngineConfig.warmup={self.warmup!r} must be 'full' or 'progressive'")
         _require(self.attention_backend in ("auto", "xla", "pallas", "pallas_mosaic",
                                             "pallas_triton"),
                  f"EngineConfig.attention_backend={self.attention_backend!r} must be "

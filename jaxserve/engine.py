@@ -356,6 +356,9 @@ class LLMEngine:
             "num_compiles_after_warmup": rs.late_compiles,
             "num_compiles": rs.programs_built,  # compiled by XLA (persistent-cache misses)
             "num_programs_loaded": rs.programs_loaded,  # persistent compile-cache hits
+            "num_programs_restored": rs.programs_restored,  # executable-cache hits (no trace)
+            "programs_ready": rs.programs_ready,  # of warmup_programs (progressive warm-up)
+            "warmup_done": rs.warmup_done,
             "compile_seconds": rs.compile_seconds,
             "last_step_tokens": self.last_step_tokens,
             "weight_version": self.weight_version,

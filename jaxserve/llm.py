@@ -75,6 +75,9 @@ class LLM:
       dtype: "float32" or "bfloat16".
       compile_cache_dir: JAX's persistent compilation cache (None: off), so a
         second process skips compiling the bucket programs.
+      executable_cache_dir: serialized compiled programs (None: off), so a second
+        process skips tracing them too (`jaxserve.executable_cache`). Warm-up is
+        full by default (`warmup="progressive"` is an engine argument).
       engine: an already-built `LLMEngine` (then `model` is ignored).
       **engine_args: CacheConfig / SchedulerConfig / EngineConfig fields,
         e.g. block_size=16, num_kv_blocks=512, max_num_seqs=32,
@@ -87,6 +90,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32",
                  compile_cache_dir: str | None = "checkpoints/jax_compile_cache",
+                 executable_cache_dir: str | None = "checkpoints/executable_cache",
                  engine: LLMEngine | None = None, **engine_args: Any):
         if engine is not None and (model is not None or engine_args):
             raise ValueError(f"LLM(engine=...) takes no model or engine arguments, got "
@@ -94,9 +98,10 @@ class LLM:
         if engine is None:
             from jaxserve.checkpoint import load_model
             from jaxserve.checkpoint.default import resolve_model_path
-            from jaxserve.model_runner import enable_compilation_cache
+            from jaxserve.model_runner import enable_compilation_cache, enable_executable_cache
 
             enable_compilation_cache(compile_cache_dir)
+            enable_executable_cache(executable_cache_dir)
             path = resolve_model_path(model)
             cfg, params, tokenizer = load_model(path, dtype=dtype)
             config = make_engine_config(cfg, **engine_args)

@@ -19,16 +19,25 @@ each is counted as built by XLA or loaded from the persistent compile cache
 (jax's public `jax.monitoring` event '/jax/compilation_cache/cache_hits'), and
 a step whose shape has no program is a counted late compile, logged as the
 bug it is (or refused with `strict_compiles`).
+
+Start-up (issue 12): with `EngineConfig.warmup="progressive"` warm-up returns once
+the smallest token bucket's programs are ready and builds the rest in a background
+thread, capping the scheduler's token budget (`BucketPolicy.token_cap`) at the
+largest ready bucket meanwhile; with an executable cache (`enable_executable_cache`,
+`jaxserve.executable_cache`) a restart deserializes each program instead of tracing,
+lowering and compiling it.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import logging
 import math
 import threading
 import time
+import weakref
 from typing import Any, Mapping
 
 import jax
@@ -38,6 +47,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.batch import build_batch
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.executable_cache import ExecutableCache, program_key_parts
 from jaxserve.model.attention import AttentionBackend, CommonAttentionMetadata, get_attention_backend
 from jaxserve.model.llama import compute_logits, paged_attn, prepare_params, run_layers
 from jaxserve.parallel import TensorParallel
@@ -97,6 +107,31 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     from jaxserve import faults  # crash-safety tests: die mid-write when JAXSERVE_FAULT says so
 
     faults.arm_compile_cache()
+
+
+_EXECUTABLE_CACHE_DIR: str | None = None
+
+
+def enable_executable_cache(cache_dir: str | None) -> None:
+    """Runners built from now on keep their compiled programs in `cache_dir`
+    (`jaxserve.executable_cache`: a restart then skips tracing too; None or '': off)."""
+    global _EXECUTABLE_CACHE_DIR
+    _EXECUTABLE_CACHE_DIR = str(cache_dir) if cache_dir else None
+
+
+_WARMING_RUNNERS: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_background_warmups() -> None:
+    """At exit, let an in-flight background compile finish (XLA aborts the process when
+    the interpreter is torn down under a compiling thread); later programs are skipped."""
+    for runner in list(_WARMING_RUNNERS):
+        runner.close(timeout=None)
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 # ------------------------------------------------------------ KV sizing
@@ -197,6 +232,8 @@ class ModelRunner:
       vocab_parallel: with TP, split embed / lm_head over the vocabulary (True) or
         replicate them (False); None: split when TP divides the vocabulary (faster in
         notes/parallel.md's measurements).
+      executable_cache_dir: where compiled programs are serialized and restored
+        (None: the `enable_executable_cache` default; '': off).
 
     The pool size N is `config.cache.num_kv_blocks`, or what
     `kv_cache_memory_bytes` holds; the cache is 2 x [L, N, B, K, D] in cfg.dtype.
@@ -209,7 +246,8 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, params: Any, *, bucket_policy: BucketPolicy,
-                 strict_compiles: bool | None = None, vocab_parallel: bool | None = None):
+                 strict_compiles: bool | None = None, vocab_parallel: bool | None = None,
+                 executable_cache_dir: str | None = None):
         CacheHits.install()
         self.config = config
         self.cfg = config.model
@@ -244,8 +282,17 @@ class ModelRunner:
                                                     config.max_logprobs), **score_sh)
         # ("stack", T_pad), ("head", S_pad) and ("score", T_pad) -> jax.stages.Compiled
         self._programs: dict[tuple[str, int], Any] = {}
-        self._warm = False
+        self._warm = False  # warm-up started serving: a missing program is a late compile
         self._stats = RunnerStats()
+        self._stats_lock = threading.Lock()  # the background warm-up thread counts too
+        self._warmup_done = threading.Event()
+        self._stop_warmup = threading.Event()
+        self._warmup_thread: threading.Thread | None = None
+        # Programs are lowered on specs, never on the live (donated, swappable) buffers.
+        self._param_specs = jax.tree.map(_spec, self.params)
+        self._kv_specs = jax.tree.map(_spec, self.kv_cache)
+        cache_dir = _EXECUTABLE_CACHE_DIR if executable_cache_dir is None else executable_cache_dir
+        self._exec_cache = ExecutableCache(cache_dir) if cache_dir else None
 
     def _jit_shardings(self) -> tuple[dict, dict, dict]:
         """Explicit in/out shardings of the stack and head programs under a mesh: params
@@ -418,33 +465,59 @@ class ModelRunner:
                                 seq_bucket=s_pad, preempted_ids=(), finished_ids=(), step=-1)
         return self._host_batch(empty, {})[0]
 
-    def _build(self, key: tuple[str, int]) -> Any:
-        """Lower and compile (or load from the persistent cache) one program:
-        ("stack", T_pad), ("head", S_pad) or ("score", T_pad)."""
+    def _example_args(self, key: tuple[str, int]) -> tuple[Any, tuple]:
+        """(jitted function, example arguments as specs / padding host arrays) of a program."""
         family, size = key
-        t_pad, s_pad = (1, size) if family == "head" else (size, self.max_seq_bucket)
-        host = self._padding_batch(t_pad, s_pad)
-        t0, hits0 = time.perf_counter(), CacheHits.count()
         if family == "stack":
-            lowered = self._stack_jit.lower(self.params, self.kv_cache,
-                                            dataclasses.replace(host, sampling=None))
-        elif family == "score":
+            host = self._padding_batch(size, self.max_seq_bucket)
+            return self._stack_jit, (self._param_specs, self._kv_specs,
+                                     dataclasses.replace(host, sampling=None))
+        if family == "head":
+            host = self._padding_batch(1, size)
+            return self._head_jit, (self._param_specs, self._rows_spec(), host.sampling)
+        if family == "score":
             rows = self._rows_spec()
-            lowered = self._score_jit.lower(
-                self.params, jax.ShapeDtypeStruct((t_pad, rows.shape[1]), rows.dtype),
-                jax.ShapeDtypeStruct((t_pad,), jnp.int32))
-        else:
-            lowered = self._head_jit.lower(self.params, self._rows_spec(), host.sampling)
-        program = lowered.compile()
-        st = self._stats
-        dt = time.perf_counter() - t0
-        st.compile_seconds += dt
-        st.compile_seconds_by_family[family] = st.compile_seconds_by_family.get(family, 0.0) + dt
-        if CacheHits.count() > hits0:
-            st.programs_loaded += 1
-        else:
-            st.programs_built += 1
-        self._programs[key] = program
+            return self._score_jit, (self._param_specs,
+                                     jax.ShapeDtypeStruct((size, rows.shape[1]), rows.dtype),
+                                     jax.ShapeDtypeStruct((size,), jnp.int32))
+        raise ValueError(f"unknown program family {family!r} (key {key})")
+
+    def _build(self, key: tuple[str, int]) -> Any:
+        """Make one program ready: restore it from the executable cache (no trace), else
+        lower and compile it (XLA, or JAX's persistent compile cache) and store it there.
+        Thread-safe: the background warm-up thread builds too."""
+        fn, args = self._example_args(key)
+        t0, hits0 = time.perf_counter(), CacheHits.count()
+        parts = program = None
+        if self._exec_cache is not None:
+            parts = program_key_parts(self.config, key[0], key[1], args,
+                                      backend_name=type(self.backend).__name__,
+                                      extra={"num_kv_blocks": self.num_kv_blocks,
+                                             "max_seq_bucket": self.max_seq_bucket})
+            program = self._exec_cache.load(parts)
+        kind = "restored"
+        if program is None:
+            program = fn.lower(*args).compile()
+            kind = "loaded" if CacheHits.count() > hits0 else "built"
+            # Only a fresh XLA compile is stored: on XLA:CPU an executable that came out of
+            # JAX's compile cache re-serializes without its JIT-compiled kernels and fails
+            # at run time ("Function wrapped_iota not found"). It is stored once a compile
+            # is real (`make clean-cache`, or a cold compile-cache dir).
+            if parts is not None and kind == "built":
+                self._exec_cache.store(parts, program)
+        with self._stats_lock:
+            st = self._stats
+            dt = time.perf_counter() - t0
+            st.compile_seconds += dt
+            st.compile_seconds_by_family[key[0]] = st.compile_seconds_by_family.get(key[0], 0.) + dt
+            if kind == "restored":
+                st.programs_restored += 1
+            elif kind == "loaded":
+                st.programs_loaded += 1
+            else:
+                st.programs_built += 1
+            self._programs[key] = program
+            st.programs_ready = len(self._programs)
         return program
 
     def _rows_spec(self) -> jax.ShapeDtypeStruct:
@@ -454,7 +527,7 @@ class ModelRunner:
             if family == "stack":
                 return program.out_info[0]
         host = self._padding_batch(self.bucket_policy.token_buckets[0], self.max_seq_bucket)
-        return jax.eval_shape(self._stack_jit, self.params, self.kv_cache,
+        return jax.eval_shape(self._stack_jit, self._param_specs, self._kv_specs,
                               dataclasses.replace(host, sampling=None))[0]
 
     def _program(self, key: tuple[str, int]) -> Any:
@@ -462,33 +535,106 @@ class ModelRunner:
         if program is not None:
             return program
         if self._warm:
-            self._stats.late_compiles += 1
+            with self._stats_lock:
+                self._stats.late_compiles += 1
             if self.strict_compiles:
                 raise RuntimeError(f"no {key[0]} program for bucket {key[1]}: warm-up built "
                                    f"{sorted(self._programs)} (strict_compiles)")
             logger.error("late compile: no warm-up %s program for bucket %d; a shape escaped "
-                         "BucketPolicy.program_keys() (%d late so far)", key[0], key[1],
-                         self._stats.late_compiles)
+                         "BucketPolicy.program_keys() or the progressive warm-up cap "
+                         "(%d late so far)", key[0], key[1], self._stats.late_compiles)
         return self._build(key)
 
-    def warmup(self, *, progress: bool = True) -> None:
-        """Build (or load) every program the bucket policy can request
+    def warmup(self, *, progress: bool = True, mode: str | None = None) -> None:
+        """Build (or restore / load) every program the bucket policy can request
         (`BucketPolicy.program_keys()`: T_pad stacks + S_pad heads, and T_pad score
         programs with `enable_prompt_logprobs`).
 
         Each is lowered on an all-padding batch (every token writes to the null
         block, no sequence is real), which has exactly the shapes and pytree
         structure of a real step.
+
+        mode (None: `config.warmup`):
+          "full": returns once every program is ready.
+          "progressive": returns once stage 0 of `BucketPolicy.program_stages()` is
+            ready (the smallest token bucket's programs and every seq-bucket program)
+            with the policy's `token_cap` at that bucket; a daemon thread builds the
+            larger token buckets in order and raises the cap as each one is ready (the
+            scheduler never plans a step whose program is missing; a step never waits
+            for a compile). Warm-up ends when the last program is ready
+            (`wait_warmup`, `stats().warmup_done`); `strict_compiles` still refuses any
+            program outside the warm-up set.
         """
-        keys = self.bucket_policy.program_keys(score=self.score_enabled)
+        mode = mode or getattr(self.config, "warmup", "full")
+        if mode not in ("full", "progressive"):
+            raise ValueError(f"warmup mode={mode!r} must be 'full' or 'progressive'")
+        stages = self.bucket_policy.program_stages(score=self.score_enabled)
+        total = sum(len(keys) for _, keys in stages)
         st = self._stats
-        built0, loaded0, t0 = st.programs_built, st.programs_loaded, time.perf_counter()
-        for key in tqdm(keys, desc="warm-up (compile buckets)", disable=not progress):
-            if key not in self._programs:
-                self._build(key)
+        st.warmup_programs = total
+        counts0 = (st.programs_built, st.programs_loaded, st.programs_restored)
+        t0 = time.perf_counter()
+        now = stages if mode == "full" or len(stages) == 1 else stages[:1]
+        bar = tqdm(total=sum(len(k) for _, k in now), desc="warm-up (compile buckets)",
+                   disable=not progress)
+        for cap, keys in now:
+            for key in keys:
+                if key not in self._programs:
+                    self._build(key)
+                bar.update(1)
+            self.bucket_policy.token_cap = cap
+        bar.close()
+        st.ready_seconds = time.perf_counter() - t0
         self._warm = True
+        rest = stages[len(now):]
+        if not rest:
+            self._finish_warmup(t0, counts0)
+            return
+        logger.info("ready with %d of %d programs in %.1f s (steps capped at %d tokens); "
+                    "compiling the other %d in the background", st.programs_ready, total,
+                    st.ready_seconds, self.bucket_policy.token_budget,
+                    total - st.programs_ready)
+        self._warmup_thread = threading.Thread(target=self._background_warmup,
+                                               args=(rest, t0, counts0),
+                                               name="jaxserve-warmup", daemon=True)
+        _WARMING_RUNNERS.add(self)
+        self._warmup_thread.start()
+
+    def _background_warmup(self, stages, t0: float, counts0: tuple[int, int, int]) -> None:
+        try:
+            for cap, keys in stages:
+                for key in keys:
+                    if self._stop_warmup.is_set():
+                        return
+                    if key not in self._programs:
+                        self._build(key)
+                self.bucket_policy.token_cap = cap  # ints: one atomic store, read per step
+            self._finish_warmup(t0, counts0)
+        except Exception:  # noqa: BLE001 - serving goes on at the cap reached so far
+            logger.exception("background warm-up failed; steps stay capped at %d tokens",
+                             self.bucket_policy.token_budget)
+            self._warmup_done.set()
+
+    def _finish_warmup(self, t0: float, counts0: tuple[int, int, int]) -> None:
+        st = self._stats
+        self.bucket_policy.token_cap = None  # every bucket is ready
         st.warmup_seconds = time.perf_counter() - t0
-        st.warmup_programs = len(keys)
+        st.warmup_done = True
+        self._warmup_done.set()
+        built, loaded, restored = (st.programs_built - counts0[0], st.programs_loaded - counts0[1],
+                                   st.programs_restored - counts0[2])
         logger.info("warm-up: %d programs in %.1f s (%d compiled by XLA, %d loaded from the "
-                    "compile cache)", len(keys), st.warmup_seconds, st.programs_built - built0,
-                    st.programs_loaded - loaded0)
+                    "compile cache, %d restored from the executable cache)", st.warmup_programs,
+                    st.warmup_seconds, built, loaded, restored)
+
+    def wait_warmup(self, timeout: float | None = None) -> bool:
+        """Block until warm-up's last program is ready (or it failed); True if all are."""
+        self._warmup_done.wait(timeout)
+        return self._stats.warmup_done
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Stop a background warm-up after the program it is building (joins the thread)."""
+        self._stop_warmup.set()
+        t = self._warmup_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)

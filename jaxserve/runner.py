@@ -75,6 +75,12 @@ class RunnerStats:
       compile_seconds_by_family: the same split by family ("stack", "head", "score").
       late_compiles: programs a step needed that warm-up had not built.
       steps_by_shape: {(T_pad, S_pad): steps run at that shape}.
+      programs_restored: programs deserialized from the executable cache (no trace,
+        no compile; `jaxserve.executable_cache`).
+      programs_ready: programs built so far (progressive warm-up: of warmup_programs).
+      ready_seconds: wall seconds from warm-up start to ready (serving may begin).
+      warmup_done: every warm-up program is ready (false while progressive warm-up
+        still compiles in the background).
     """
 
     num_steps: int = 0
@@ -86,6 +92,10 @@ class RunnerStats:
     compile_seconds_by_family: dict[str, float] = field(default_factory=dict)
     late_compiles: int = 0
     steps_by_shape: dict[tuple[int, int], int] = field(default_factory=dict)
+    programs_restored: int = 0
+    programs_ready: int = 0
+    ready_seconds: float = 0.0
+    warmup_done: bool = False
 
 
 class Runner(Protocol):

@@ -56,7 +56,8 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.cli", "serve", f"--model={MODEL}",
              f"--port={self.port}", f"--params_cache_dir={caches / 'params'}",
-             f"--compile_cache_dir={caches / 'compile'}", *SERVE_ARGS],
+             f"--compile_cache_dir={caches / 'compile'}",
+             f"--executable_cache_dir={caches / 'executable'}", *SERVE_ARGS],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 

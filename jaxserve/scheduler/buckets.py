@@ -106,6 +106,8 @@ class BucketPolicy:
         self._steps = {b: 0 for b in self.token_buckets}
         self._real = {b: 0 for b in self.token_buckets}
         self._seq_steps = {b: 0 for b in self.seq_buckets}
+        # Progressive warm-up: the largest token bucket whose programs are ready (None: all).
+        self.token_cap: int | None = None
 
     @classmethod
     def from_config(cls, cfg: SchedulerConfig) -> "BucketPolicy":
@@ -202,6 +204,40 @@ class BucketPolicy:
         heads = sorted({s for _, s in shapes})
         scores = [("score", t) for t in stacks] if score else []
         return [("stack", t) for t in stacks] + [("head", s) for s in heads] + scores
+
+    # Program families whose size is a token bucket (T_pad); every other family is sized
+    # by a seq bucket and is built before the engine reports ready (a family missing
+    # here is merely built early: still correct). Another family per T_pad adds its name.
+    TOKEN_FAMILIES = ("stack", "score")
+
+    def program_stages(self, *, score: bool = False) -> list[tuple[int, list[tuple[str, int]]]]:
+        """`program_keys(score=score)` grouped for progressive warm-up: [(token_cap, keys)], in order.
+
+        Stage i holds the programs first needed once steps may hold up to token bucket
+        T_i tokens: T_i's token-bucket programs (the stack) and the seq-bucket programs
+        (the heads) of the seq buckets first reachable at T_i (S_j with S_{j-1} + 1 <= T_i,
+        as in `all_shapes`). Once stages 0..i are built, every step of at most T_i tokens
+        has all its programs, so the scheduler may plan up to `token_cap = T_i`. A key
+        of neither kind lands in stage 0 (built before ready: never missing).
+        """
+        shapes = self.all_shapes()
+        seen: set[tuple[str, int]] = set()
+        stages: list[tuple[int, list[tuple[str, int]]]] = []
+        for t_i in self.token_buckets:
+            reach = {s for t, s in shapes if t <= t_i}
+            stage = [k for k in self.program_keys(score=score) if k not in seen and (
+                k[1] == t_i if k[0] in self.TOKEN_FAMILIES else k[1] in reach)]
+            seen.update(stage)
+            stages.append((t_i, stage))
+        stages[0][1].extend(k for k in self.program_keys(score=score) if k not in seen)
+        return stages
+
+    @property
+    def token_budget(self) -> int:
+        """Most tokens one step may hold now: the largest token bucket, or the cap while
+        progressive warm-up has not yet built the larger buckets (more steps, same tokens)."""
+        cap = self.token_cap
+        return self.token_buckets[-1] if cap is None else cap
 
     # ------------------------------------------------------------ counters
     def record(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:

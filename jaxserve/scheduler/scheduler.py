@@ -182,7 +182,7 @@ class Scheduler:
         static = self.config.static_batching
         if static and not self.running and not preempted:
             self._admit_static_batch()
-        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted,
+        budget = self._schedule_running(self.bucket_policy.token_budget, scheduled, preempted,
                                         pending)
         if not preempted and not static:
             self._schedule_waiting(budget, scheduled, pending)

@@ -181,6 +181,8 @@ class FakeRunner:
         """Nothing to compile; reports the policy's programs (T_pad stacks + S_pad heads) as ready."""
         if self.bucket_policy is not None:
             self._stats.warmup_programs = len(self.bucket_policy.program_keys(score=self.score))
+            self._stats.programs_ready = self._stats.warmup_programs
+        self._stats.warmup_done = True
 
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, RowResult]:
         """Scripted tokens for the plan's sampling rows (see `jaxserve.runner.Runner`).

@@ -92,8 +92,10 @@ def format_startup_banner(engine: Any, *, host: str, port: int, model_name: str,
         f"  batching         max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} "
         f"max_num_seqs={cfg.scheduler.max_num_seqs}",
         f"  token buckets    {buckets}",
-        f"  warm-up          {stats.get('warmup_seconds', 0.0):.2f} s "
-        f"({compiles} programs compiled)",
+        (f"  warm-up          {stats.get('warmup_seconds', 0.0):.2f} s "
+         f"({compiles} programs compiled)" if stats.get("warmup_done", True) else
+         f"  warm-up          {stats.get('programs_ready', 0)} of "
+         f"{stats.get('warmup_programs', 0)} programs ready, the rest compile in the background"),
         f"  listening on     http://{host}:{port}/v1",
     ]
     return "\n".join(lines)
@@ -157,7 +159,7 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
                           on_step=lambda s: holder["metrics"].on_step(s),
                           on_finished=lambda d: holder["metrics"].on_finished(d),
                           max_queued_requests=max_queued_requests)
-    metrics = holder["metrics"] = ServerMetrics(lambda: aengine.stats)
+    metrics = holder["metrics"] = ServerMetrics(lambda: {**aengine.stats, **aengine.readiness()})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -191,8 +193,8 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
 
     @app.get("/health")
     async def health() -> Response:
-        if aengine.is_ready:
-            return JSONResponse({"status": "ok"})
+        if aengine.is_ready:  # progressive warm-up: serving while the rest compile
+            return JSONResponse({"status": "ok", **aengine.readiness()})
         msg = {"starting": "warming up", "failed": f"engine failed: {aengine.error}"}.get(
             aengine.state, aengine.state)
         return _error_response(APIError(503, msg))

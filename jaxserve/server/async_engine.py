@@ -223,11 +223,24 @@ class AsyncEngine:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        close = getattr(getattr(self.engine, "runner", None), "close", None)
+        if close is not None:  # a background (progressive) warm-up stops after its program
+            close(timeout)
         self.state = "stopped"
 
     @property
     def is_ready(self) -> bool:
         return self.state == "ready"
+
+    def readiness(self) -> dict:
+        """Live warm-up progress, read from the runner (any thread): {"programs_ready",
+        "programs_total", "warmup_done"}; {} before the engine exists."""
+        runner = getattr(self.engine, "runner", None)
+        if runner is None:
+            return {}
+        st = runner.stats()
+        return {"programs_ready": st.programs_ready, "programs_total": st.warmup_programs,
+                "warmup_done": st.warmup_done}
 
     # ---------------------------------------------------------------- asyncio API
     async def submit(self, requests: list[EngineRequest]) -> RequestGroup:

@@ -42,6 +42,9 @@ _GAUGES = (
     ("num_total_blocks", "num_total_blocks", "KV-cache blocks in the pool."),
     ("warmup_seconds", "warmup_seconds", "Wall seconds spent warming up (compiling buckets)."),
     ("warmup_programs", "warmup_programs", "Step programs compiled at warm-up."),
+    ("programs_ready", "programs_ready", "Warm-up programs ready so far (progressive warm-up)."),
+    ("programs_total", "programs_total", "Programs warm-up builds in all."),
+    ("warmup_done", "warmup_done", "1 once every warm-up program is ready."),
 )
 _COUNTERS = (
     ("prompt_tokens_total", "prompt_tokens", "Prefill tokens processed."),

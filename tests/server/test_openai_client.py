@@ -168,7 +168,10 @@ def test_echo(client):
 def test_models_endpoint(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert httpx.get(server.url("/health")).json() == {"status": "ok"}
+    health = httpx.get(server.url("/health")).json()
+    total = len(server.engine.bucket_policy.program_keys())  # every program ready
+    assert health == {"status": "ok", "programs_ready": total, "programs_total": total,
+                      "warmup_done": True}
 
 
 def test_async_client_concurrent_requests_all_complete(aclient):
