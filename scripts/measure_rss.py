@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max_tokens", type=int, default=64)
     ap.add_argument("--compile_cache_dir", default="checkpoints/jax_compile_cache")
+    ap.add_argument("--keep_host_params", action="store_true",
+                    help="the flow before the fix: the host tree stays alive through warm-up "
+                         "and no malloc_trim between phases")
     args = ap.parse_args()
     print(f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX')} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS')} load {os.getloadavg()[0]:.1f}", flush=True)
@@ -88,12 +91,18 @@ def main() -> None:
     config = make_engine_config(cfg, max_num_seqs=args.max_num_seqs,
                                 num_kv_blocks=args.num_kv_blocks, block_size=16)
     holder = {"params": params}
+    keep = params if args.keep_host_params else None
     del params
     engine = phase("LLMEngine(warmup=False): params+KV",
                    lambda: LLMEngine(config, holder.pop("params"), tok, model_name="m",
                                      warmup=False, progress=False))
-    phase("gc.collect", gc.collect)
+    if not args.keep_host_params:
+        from jaxserve.cli import release_host_memory
+        phase("release_host_memory", release_host_memory)
     phase("warm-up (programs)", lambda: engine.runner.warmup(progress=False))
+    if not args.keep_host_params:
+        phase("release_host_memory", release_host_memory)
+    del keep
     stats = engine.runner.stats()
     print(f"  programs built {stats.programs_built}, loaded {stats.programs_loaded}", flush=True)
 
