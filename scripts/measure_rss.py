@@ -54,6 +54,15 @@ def phase(name: str, fn=None):
     return res
 
 
+def release_host_memory() -> None:
+    """What `jaxserve.cli.release_host_memory` does (repeated here so the script also
+    measures a tree without it): gc, then glibc malloc_trim(0)."""
+    import ctypes
+
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max_num_seqs", type=int, default=16)
@@ -97,7 +106,6 @@ def main() -> None:
                    lambda: LLMEngine(config, holder.pop("params"), tok, model_name="m",
                                      warmup=False, progress=False))
     if not args.keep_host_params:
-        from jaxserve.cli import release_host_memory
         phase("release_host_memory", release_host_memory)
     phase("warm-up (programs)", lambda: engine.runner.warmup(progress=False))
     if not args.keep_host_params:
@@ -119,10 +127,7 @@ def main() -> None:
     steps = phase(f"{args.requests} requests x {args.max_tokens} tok", serve)
     print(f"  {steps} steps", flush=True)
 
-    def trim():
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    phase("malloc_trim(0)", trim)
+    phase("release_host_memory", release_host_memory)
     print(f"total {time.perf_counter() - T0:.1f} s", flush=True)
 
 

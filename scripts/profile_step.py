@@ -46,16 +46,22 @@ def load() -> str:
 
 
 def compare(fns: dict, iters: int, warm: int = 2) -> dict:
-    """Round-robin the blocking callables `iters` times; {name: (median ms, min ms)}."""
+    """Round-robin the blocking callables `iters` times; {name: (median ms, min ms)}.
+
+    With PROFILE_CPU_TIME=1 the times are this process's CPU seconds (all threads,
+    `time.process_time`) instead of wall seconds: on a machine loaded by other jobs
+    wall time mostly measures the wait for a core, CPU time much less so.
+    """
+    clock = time.process_time if os.environ.get("PROFILE_CPU_TIME") == "1" else time.perf_counter
     for f in fns.values():
         for _ in range(warm):
             f()
     ts = {k: [] for k in fns}
     for _ in range(iters):
         for k, f in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             f()
-            ts[k].append(time.perf_counter() - t0)
+            ts[k].append(clock() - t0)
     return {k: (1e3 * statistics.median(v), 1e3 * min(v)) for k, v in ts.items()}
 
 
@@ -140,7 +146,8 @@ def run_attn(args) -> None:
             rng = np.random.default_rng(1)
             kc = jnp.asarray(rng.standard_normal((2, n, B, K, D), np.float32))
             vc = jnp.asarray(rng.standard_normal((2, n, B, K, D), np.float32))
-            q = jnp.asarray(rng.standard_normal((rows, K * G, D), np.float32))
+            q = jnp.asarray(rng.standard_normal((max(rows, args.t_pad), K * G, D), np.float32))
+            layer1 = jnp.int32(1)
             fns = {}
             for name, kw in variants.items():
                 be = XlaBackend(block_size=B, **kw)
@@ -148,7 +155,7 @@ def run_attn(args) -> None:
                     rows, ctx, B, n, s_pad=max(rows, args.s_pad), t_pad=max(rows, args.t_pad),
                     pages=max(-(-ctx // B), args.pages))))
                 f = jax.jit(functools.partial(be.attention, sm_scale=D ** -0.5))
-                fns[name] = (lambda f=f, md=md: f(q, kc, vc, md, layer=jnp.int32(1))
+                fns[name] = (lambda f=f, md=md: f(q, kc, vc, md, layer=layer1)
                              .block_until_ready())
             res = compare(fns, args.iters)
             gb = rows * ctx * K * D * 2 * 4 / 1e9

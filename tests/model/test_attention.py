@@ -168,10 +168,12 @@ def test_bad_shapes_raise():
 @pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("mulsum", [True, False])
 def test_xla_split_kv_decode_many_items_per_row(chunk, mulsum):
+    # The previous decode path (decode_impl="split_kv", kept for same-process A/B).
     # Small KV chunks give rows of 1..8 split-KV work items (ragged, with padded slots and
     # poisoned unused pages), so the item walk and the per-row merge are both exercised.
     bs, p, s_pad = 16, 8, 8
-    be = XlaBackend(block_size=bs, decode_chunk=chunk, decode_mulsum=mulsum)
+    be = XlaBackend(block_size=bs, decode_chunk=chunk, decode_mulsum=mulsum,
+                    decode_impl="split_kv")
     q_lens, seq_lens = [1] * 6, [1, 15, 16, 17, 100, 128]
     batch = random_batch(np.random.default_rng(3), q_lens=q_lens, seq_lens=seq_lens, num_tokens=8,
                          num_seqs=s_pad, max_blocks_per_seq=p, num_kv_blocks=72, block_size=bs,
@@ -275,3 +277,11 @@ def test_online_softmax_merge_into_equals_one_softmax():
         p = np.exp(s - s.max())
         np.testing.assert_allclose(out[r], p @ v / p.sum(), rtol=1e-5, atol=1e-6)
     assert np.all(out[rows] == 0.0)  # the sink row saw nothing
+
+
+@pytest.mark.parametrize("bad,match", [(dict(decode_impl="fast"), "decode_impl='fast'"),
+                                       (dict(decode_product="dot"), "decode_product='dot'"),
+                                       (dict(decode_max_items=0), "decode_max_items=0")])
+def test_xla_backend_rejects_bad_settings(bad, match):
+    with pytest.raises(ValueError, match=match):
+        XlaBackend(block_size=16, **bad)

@@ -1,9 +1,10 @@
 """The "xla" attention backend: ragged paged attention in plain jnp (the CPU default).
 
 Decode rows (q_len = 1) are split into (sequence, KV chunk) work items walked
-S at a time and merged per sequence (split-KV, flash-decoding, Dao et al.
-2023), so the cost follows the sum of the real context lengths: padded slots
-and short rows beside a long one cost nothing. Prefill rows run tile by tile
+W at a time; each iteration folds its items' softmax partials into per-row
+running states (split-KV, flash-decoding, Dao et al. 2023), so the cost
+follows the sum of the real context lengths: padded slots, short rows beside a
+long one and unused block-table columns cost nothing. Prefill rows run tile by tile
 in a loop whose trip count is the number of tiles in use, each walking its
 pages in chunks with an online softmax (FlashAttention-2, Dao 2023) up to its
 own causal end. Both read the stacked cache [L, N, B, K, D] at a traced
@@ -73,9 +74,15 @@ class XlaBackend:
       block_size: B, tokens per KV page.
       block_q: tokens per prefill tile.
       decode_chunk: keys per split-KV work item of the decode rows.
-      decode_mulsum: decode products as multiply + sum instead of tiny matmuls.
+      decode_mulsum: (decode_impl="split_kv" only) products as multiply + sum.
       decode_max_items: at most this many split-KV items per loop iteration.
       prefill_chunk: keys per inner step of a prefill tile.
+      decode_impl: "online" (default: each loop iteration folds its items into per-row
+        states, `_decode_online`) or "split_kv" (the previous path: per-item buffers
+        sized S x max_blocks_per_seq, merged after the loop; kept for same-process A/B
+        in scripts/profile_step.py).
+      decode_product: "blockdiag" | "heads" | "mulsum", the online path's products
+        (`_decode_products`). Measured in notes/perf.md (2026-12-01, helper "perf").
     """
 
     block_size: int
@@ -87,6 +94,16 @@ class XlaBackend:
     decode_impl: str = "online"
     decode_product: str = "blockdiag"
     name: str = "xla"
+
+    def __post_init__(self):
+        if self.decode_impl not in ("online", "split_kv"):
+            raise ValueError(f"decode_impl={self.decode_impl!r} must be 'online' or 'split_kv'")
+        if self.decode_product not in ("blockdiag", "heads", "mulsum"):
+            raise ValueError(f"decode_product={self.decode_product!r} must be 'blockdiag', "
+                             f"'heads' or 'mulsum'")
+        for f in ("block_size", "block_q", "decode_chunk", "decode_max_items", "prefill_chunk"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f}={getattr(self, f)} must be > 0")
 
     def prepare(self, common: CommonAttentionMetadata) -> XlaMetadata:
         """Validate the step and tile its prefill rows (host, vectorized NumPy).
