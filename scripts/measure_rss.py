@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max_tokens", type=int, default=64)
     ap.add_argument("--compile_cache_dir", default="checkpoints/jax_compile_cache")
+    ap.add_argument("--per_program", action="store_true",
+                    help="warm up one program at a time: each program's own peak and RSS")
     ap.add_argument("--keep_host_params", action="store_true",
                     help="the flow before the fix: the host tree stays alive through warm-up "
                          "and no malloc_trim between phases")
@@ -107,6 +109,10 @@ def main() -> None:
                                      warmup=False, progress=False))
     if not args.keep_host_params:
         phase("release_host_memory", release_host_memory)
+    if args.per_program:  # the same programs warm-up builds, one phase each
+        for key in engine.runner.bucket_policy.program_keys():
+            phase(f"  program {key}", lambda key=key: engine.runner._build(key))
+            release_host_memory()
     phase("warm-up (programs)", lambda: engine.runner.warmup(progress=False))
     if not args.keep_host_params:
         phase("release_host_memory", release_host_memory)
