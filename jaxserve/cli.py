@@ -139,7 +139,14 @@ def build_engine(auto_warmup: str = "full"):
         warmup = "full"
     config = make_engine_config(cfg, warmup=warmup, **engine_args_from_flags())
     name = FLAGS.served_model_name or Path(path).stem
-    engine = LLMEngine(config, params, tokenizer, model_name=name)
+    engine = LLMEngine(config, params, tokenizer, model_name=name, warmup=False)
+    # The engine holds its own device copy (device_put copies on CPU): drop the host
+    # tree before warm-up's compiles, and hand freed heap pages back after each phase
+    # (peak RSS per phase: notes/perf.md, scripts/measure_rss.py).
+    del params
+    release_host_memory()
+    engine.runner.warmup()
+    release_host_memory()
     if FLAGS.num_processes > 1:  # the leader: each step is broadcast to the followers
         from jaxserve.multihost import Leader
 
@@ -180,6 +187,19 @@ def start_multihost() -> bool:
     runner.warmup(progress=False)
     multihost.follower_loop(runner)
     return True
+
+
+def release_host_memory() -> None:
+    """Collect garbage and return free glibc heap pages to the OS (malloc_trim; a no-op
+    where libc has no malloc_trim)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def read_prompts(path: str | None, inline: Sequence[str]) -> list[dict[str, Any]]:

@@ -60,6 +60,32 @@ def online_softmax_step(state: SoftmaxState, s: jax.Array, valid: jax.Array,
     return acc * alpha[..., None] + pv(p), m_new, l_i * alpha + p.sum(-1)
 
 
+def merge_into(state: SoftmaxState, rows: jax.Array, part: SoftmaxState) -> SoftmaxState:
+    """Fold partial states `part` (leading axis W) into rows `rows` of `state` (leading axis R).
+
+    The split-KV merge of flash-decoding (Dao et al. 2023), one batch of work items at
+    a time: every row's state is rescaled to the new running max, then each item adds
+    its own terms rescaled the same way. Several items may target the same row
+    (scatter max / add), and an item of an empty chunk (m = MASK_VALUE, l = 0, acc = 0)
+    changes nothing.
+
+    Args:
+      state: (acc f32[R, ..., D], m f32[R, ...], l f32[R, ...]).
+      rows: i32[W] the row of each item, in [0, R).
+      part: (acc f32[W, ..., D], m f32[W, ...], l f32[W, ...]).
+
+    Returns:
+      The merged state, shaped like `state`.
+    """
+    acc, m_i, l_i = state
+    p_acc, p_m, p_l = part
+    m_new = m_i.at[rows].max(p_m, mode="promise_in_bounds")
+    alpha = jnp.exp(m_i - m_new)
+    beta = jnp.exp(p_m - m_new[rows])
+    acc = (acc * alpha[..., None]).at[rows].add(p_acc * beta[..., None], mode="promise_in_bounds")
+    return acc, m_new, (l_i * alpha).at[rows].add(p_l * beta, mode="promise_in_bounds")
+
+
 def normalize(acc: jax.Array, l_sum: jax.Array) -> jax.Array:
     """acc / l per row; rows that saw no valid key (l == 0) give 0, not NaN."""
     return acc / jnp.where(l_sum > 0.0, l_sum, 1.0)[..., None]

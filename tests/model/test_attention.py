@@ -168,10 +168,12 @@ def test_bad_shapes_raise():
 @pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("mulsum", [True, False])
 def test_xla_split_kv_decode_many_items_per_row(chunk, mulsum):
+    # The previous decode path (decode_impl="split_kv", kept for same-process A/B).
     # Small KV chunks give rows of 1..8 split-KV work items (ragged, with padded slots and
     # poisoned unused pages), so the item walk and the per-row merge are both exercised.
     bs, p, s_pad = 16, 8, 8
-    be = XlaBackend(block_size=bs, decode_chunk=chunk, decode_mulsum=mulsum)
+    be = XlaBackend(block_size=bs, decode_chunk=chunk, decode_mulsum=mulsum,
+                    decode_impl="split_kv")
     q_lens, seq_lens = [1] * 6, [1, 15, 16, 17, 100, 128]
     batch = random_batch(np.random.default_rng(3), q_lens=q_lens, seq_lens=seq_lens, num_tokens=8,
                          num_seqs=s_pad, max_blocks_per_seq=p, num_kv_blocks=72, block_size=bs,
@@ -215,3 +217,71 @@ def test_xla_decode_item_bounds_match_float64_reference(max_items, case):
                          num_kv_blocks=s_pad * p + 1, block_size=16, num_heads=H,
                          num_kv_heads=K, head_dim=D)
     _assert_matches_float64_reference(be, batch)
+
+
+def _engine_layout_case(name):
+    """(q_lens, seq_lens, T_pad, S_pad, pages per seq) in the engine's stack layout: the
+    stack's seq dimension is the largest seq bucket and block tables are max_model_len
+    wide, so most slots and most block-table columns are padding."""
+    rng = np.random.default_rng(11)
+    if name == "decode_only":  # ragged decodes, one alone at long context
+        return [1] * 5, [1, 15, 17, 300, 2048], 8, 16, 128
+    if name == "mixed":  # decodes beside a chunked prefill and a fresh prompt
+        return [1, 40, 1, 1, 23], [700, 40 + 90, 1, 33, 23], 128, 16, 128
+    if name == "64_rows_long":  # 64 decode rows, contexts up to 2048
+        return [1] * 64, rng.integers(1, 2049, 64).tolist(), 64, 64, 128
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("product", ["blockdiag", "heads", "mulsum"])
+@pytest.mark.parametrize("case", ["decode_only", "mixed", "64_rows_long"])
+def test_xla_online_decode_matches_float64_reference(product, case):
+    # The per-row online merge of split-KV items (decode_impl="online"), each product
+    # form, against the float64 reference: NaN-poisoned unused pages, padding rows and
+    # padded slots must not leak, and every item must be merged into its row exactly once.
+    q_lens, seq_lens, t_pad, s_pad, p = _engine_layout_case(case)
+    need = sum(-(-s // 16) for s in seq_lens)
+    be = XlaBackend(block_size=16, decode_impl="online", decode_product=product)
+    batch = random_batch(np.random.default_rng(13), q_lens=q_lens, seq_lens=seq_lens,
+                         num_tokens=t_pad, num_seqs=s_pad, max_blocks_per_seq=p,
+                         num_kv_blocks=need + 9, block_size=16, num_heads=H, num_kv_heads=K,
+                         head_dim=D)
+    _assert_matches_float64_reference(be, batch)
+
+
+def test_online_softmax_merge_into_equals_one_softmax():
+    # Items of one row split across batches and repeated within a batch, plus an empty
+    # item, merged with merge_into: equal to one softmax over all of the row's keys.
+    from jaxserve.model.online_softmax import init_state, merge_into, normalize, \
+        online_softmax_step
+
+    rng = np.random.default_rng(0)
+    rows, d, ck = 3, 4, 5
+    scores = rng.standard_normal((rows, 4, ck)) * 4  # 4 chunks per row
+    vals = rng.standard_normal((rows, 4, ck, d))
+    state = init_state((rows + 1,), d)
+    order = [(0, 0), (0, 1), (2, 3), (1, 0), (0, 2), (2, 0), (2, 1), (1, 1), (1, 2), (2, 2),
+             (1, 3), (0, 3)]
+    for b in range(0, len(order), 4):  # batches of 4 items, rows repeat inside a batch
+        idx = order[b:b + 4]
+        s = jnp.asarray(np.stack([scores[r, c] for r, c in idx]), jnp.float32)
+        v = jnp.asarray(np.stack([vals[r, c] for r, c in idx]), jnp.float32)
+        part = online_softmax_step(init_state((len(idx),), d), s, jnp.ones_like(s, bool),
+                                   lambda p, v=v: jnp.einsum("wc,wcd->wd", p, v))
+        state = merge_into(state, jnp.asarray([r for r, _ in idx], jnp.int32), part)
+    empty = init_state((1,), d)  # an item with no valid key changes nothing
+    state = merge_into(state, jnp.asarray([1], jnp.int32), empty)
+    out = np.asarray(normalize(state[0], state[2]))
+    for r in range(rows):
+        s, v = scores[r].reshape(-1), vals[r].reshape(-1, d)
+        p = np.exp(s - s.max())
+        np.testing.assert_allclose(out[r], p @ v / p.sum(), rtol=1e-5, atol=1e-6)
+    assert np.all(out[rows] == 0.0)  # the sink row saw nothing
+
+
+@pytest.mark.parametrize("bad,match", [(dict(decode_impl="fast"), "decode_impl='fast'"),
+                                       (dict(decode_product="dot"), "decode_product='dot'"),
+                                       (dict(decode_max_items=0), "decode_max_items=0")])
+def test_xla_backend_rejects_bad_settings(bad, match):
+    with pytest.raises(ValueError, match=match):
+        XlaBackend(block_size=16, **bad)

@@ -1,9 +1,10 @@
 """The "xla" attention backend: ragged paged attention in plain jnp (the CPU default).
 
 Decode rows (q_len = 1) are split into (sequence, KV chunk) work items walked
-S at a time and merged per sequence (split-KV, flash-decoding, Dao et al.
-2023), so the cost follows the sum of the real context lengths: padded slots
-and short rows beside a long one cost nothing. Prefill rows run tile by tile
+W at a time; each iteration folds its items' softmax partials into per-row
+running states (split-KV, flash-decoding, Dao et al. 2023), so the cost
+follows the sum of the real context lengths: padded slots, short rows beside a
+long one and unused block-table columns cost nothing. Prefill rows run tile by tile
 in a loop whose trip count is the number of tiles in use, each walking its
 pages in chunks with an online softmax (FlashAttention-2, Dao 2023) up to its
 own causal end. Both read the stacked cache [L, N, B, K, D] at a traced
@@ -25,7 +26,7 @@ from jax import lax
 from jaxserve.model.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
                                              num_query_tiles, query_tiles, real_q_lens,
                                              stacked_cache)
-from jaxserve.model.online_softmax import init_state, normalize, online_softmax_step
+from jaxserve.model.online_softmax import init_state, merge_into, normalize, online_softmax_step
 
 
 @functools.partial(
@@ -73,9 +74,15 @@ class XlaBackend:
       block_size: B, tokens per KV page.
       block_q: tokens per prefill tile.
       decode_chunk: keys per split-KV work item of the decode rows.
-      decode_mulsum: decode products as multiply + sum instead of tiny matmuls.
+      decode_mulsum: (decode_impl="split_kv" only) products as multiply + sum.
       decode_max_items: at most this many split-KV items per loop iteration.
       prefill_chunk: keys per inner step of a prefill tile.
+      decode_impl: "online" (default: each loop iteration folds its items into per-row
+        states, `_decode_online`) or "split_kv" (the previous path: per-item buffers
+        sized S x max_blocks_per_seq, merged after the loop; kept for same-process A/B
+        in scripts/profile_step.py).
+      decode_product: "blockdiag" | "heads" | "mulsum", the online path's products
+        (`_decode_products`). Measured in notes/perf.md (2026-12-01, helper "perf").
     """
 
     block_size: int
@@ -84,7 +91,19 @@ class XlaBackend:
     decode_mulsum: bool = True
     decode_max_items: int = 8
     prefill_chunk: int = 256
+    decode_impl: str = "online"
+    decode_product: str = "blockdiag"
     name: str = "xla"
+
+    def __post_init__(self):
+        if self.decode_impl not in ("online", "split_kv"):
+            raise ValueError(f"decode_impl={self.decode_impl!r} must be 'online' or 'split_kv'")
+        if self.decode_product not in ("blockdiag", "heads", "mulsum"):
+            raise ValueError(f"decode_product={self.decode_product!r} must be 'blockdiag', "
+                             f"'heads' or 'mulsum'")
+        for f in ("block_size", "block_q", "decode_chunk", "decode_max_items", "prefill_chunk"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f}={getattr(self, f)} must be > 0")
 
     def prepare(self, common: CommonAttentionMetadata) -> XlaMetadata:
         """Validate the step and tile its prefill rows (host, vectorized NumPy).
@@ -234,6 +253,77 @@ def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, 
     return normalize(acc, l_row)
 
 
+def _decode_products(q, k, v, sm_scale, product):
+    """Scores and the p -> p.v function of one batch of W decode items.
+
+    q: f32[W, K, G, D]; k, v: [W, CK, K, D] (v zeroed at invalid keys).
+    product: "blockdiag" (q as a block-diagonal [K*G, K*D] matrix per item, so both
+    products are plain batched matmuls on the gathered [CK, K*D] rows: no transpose of
+    K or V, at K x the flops), "heads" (one [G, D] x [D, CK] matmul per KV head), or
+    "mulsum" (broadcast multiply + sum).
+    Returns (s f32[W, K, G, CK], pv: f32[W, K, G, CK] -> f32[W, K, G, D]).
+    """
+    if product != "blockdiag":
+        return _decode_scores(q, k, v, sm_scale, product == "mulsum")
+    w, ck, kh, d = k.shape
+    g = q.shape[2]
+    eye = jnp.eye(kh, dtype=jnp.float32)
+    qbd = jnp.einsum("wkgd,kj->wkgjd", q, eye).reshape(w, kh * g, kh * d)
+    kf = k.reshape(w, ck, kh * d).astype(jnp.float32)
+    vf = v.reshape(w, ck, kh * d).astype(jnp.float32)
+    s = jnp.einsum("wmf,wcf->wmc", qbd, kf, preferred_element_type=jnp.float32)
+
+    def pv(p):
+        o = jnp.einsum("wmc,wcf->wmf", p.reshape(w, kh * g, ck), vf,
+                       preferred_element_type=jnp.float32)
+        return jnp.einsum("wkgjd,kj->wkgd", o.reshape(w, kh, g, kh, d), eye)
+    return s.reshape(w, kh, g, ck) * sm_scale, pv
+
+
+def _decode_online(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, max_items,
+                   product):
+    """Decode attention over (sequence, KV chunk) work items, merged into per-row states.
+
+    Split-KV as in flash-decoding (Dao et al. 2023): sequence s contributes
+    ceil(kv_len[s] / CK) items of CK = chunk_pages * B keys; each loop iteration takes
+    the next W = min(S, max_items) items, whatever sequences they belong to, gathers
+    their pages once (rows of the free [L*N, B*K*D] view), and folds each item's
+    softmax partial into its row's running state (`online_softmax.merge_into`). The
+    loop runs ceil(sum(items) / W) times, so the cost follows the real KV bytes; no
+    buffer scales with S x max_blocks_per_seq.
+
+    q: [S, K, G, D]; kv_len: i32[S] (0 = not a decode row); pages: i32[S, P'] (P' a
+    multiple of chunk_pages). Returns f32[S, K, G, D], 0 for rows with kv_len 0.
+    """
+    n, kh, g, d = q.shape
+    w = min(n, max_items)
+    ck = chunk_pages * kc.shape[2]
+    cnt = (kv_len + ck - 1) // ck  # [S] items per sequence
+    end = jnp.cumsum(cnt)
+    start = end - cnt
+    total = end[-1]
+    q = q.astype(jnp.float32)
+    j = jnp.arange(ck, dtype=jnp.int32)
+    cols = jnp.arange(chunk_pages, dtype=jnp.int32)
+
+    def body(it, state):
+        idx = it * w + jnp.arange(w, dtype=jnp.int32)  # [W] items of this iteration
+        ok = idx < total
+        row = jnp.minimum(jnp.sum(idx[:, None] >= end[None, :], -1), n - 1)
+        chunk = idx - start[row]
+        pg = jnp.where(ok[:, None], pages[row[:, None], chunk[:, None] * chunk_pages + cols], 0)
+        key_ok = ((chunk[:, None] * ck + j) < kv_len[row][:, None]) & ok[:, None]  # [W, CK]
+        k = _gather_pages(kc, layer, pg)  # [W, CK, K, D]
+        v = _gather_pages(vc, layer, pg)
+        v = jnp.where(key_ok[:, :, None, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
+        s, pv = _decode_products(q[row], k, v, sm_scale, product)
+        part = online_softmax_step(init_state((w, kh, g), d), s, key_ok[:, None, None, :], pv)
+        return merge_into(state, jnp.where(ok, row, n), part)  # row n: a sink for unused items
+
+    acc, _, l_sum = lax.fori_loop(0, (total + w - 1) // w, body, init_state((n + 1, kh, g), d))
+    return normalize(acc[:n], l_sum[:n])
+
+
 def _pad_pages(block_table, chunk_pages):
     return jnp.pad(block_table, ((0, 0), (0, -block_table.shape[1] % chunk_pages)))
 
@@ -251,10 +341,15 @@ def _xla_attention(be: XlaBackend, q, kc, vc, layer, md: XlaMetadata, sm_scale: 
     # Decode rows: one query per sequence slot, all slots batched.
     dcp = max(1, be.decode_chunk // bs)
     dq = qg[md.decode_token_idx]  # [S, K, G, D]
-    o_dec = _decode_split_kv(dq, md.decode_kv_len, _pad_pages(md.block_table, dcp), kc, vc,
-                             layer, sm_scale=sm_scale, chunk_pages=dcp,
-                             multiply_sum=be.decode_mulsum,
-                             max_items=be.decode_max_items)  # [S, K, G, D]
+    if be.decode_impl == "online":
+        o_dec = _decode_online(dq, md.decode_kv_len, _pad_pages(md.block_table, dcp), kc, vc,
+                               layer, sm_scale=sm_scale, chunk_pages=dcp,
+                               max_items=be.decode_max_items, product=be.decode_product)
+    else:
+        o_dec = _decode_split_kv(dq, md.decode_kv_len, _pad_pages(md.block_table, dcp), kc, vc,
+                                 layer, sm_scale=sm_scale, chunk_pages=dcp,
+                                 multiply_sum=be.decode_mulsum,
+                                 max_items=be.decode_max_items)  # [S, K, G, D]
     out = out.at[md.decode_token_idx].set(o_dec)
 
     # Prefill tiles, one at a time, each up to its own causal end.

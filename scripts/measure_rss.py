@@ -1,0 +1,141 @@
+"""Where the resident memory of `jaxserve serve` goes: VmRSS / VmHWM per start-up phase.
+
+    .venv/bin/python scripts/measure_rss.py [--max_num_seqs=16] [--num_kv_blocks=737] \
+        [--requests=16 --max_tokens=64]
+
+Runs the same start-up as `jaxserve serve` (`cli.build_engine`'s calls: compile
+cache, `load_model` from the params cache, `LLMEngine` with its warm-up) in
+this process, phase by phase, then serves a small burst of requests through
+`engine.step()`. Before each phase the peak counter is reset (`echo 5 >
+/proc/self/clear_refs`), so each line shows that phase's own peak (VmHWM)
+next to the resident set after it (VmRSS, split into anonymous and
+file-backed pages). tracemalloc would not see XLA's or the jax CPU client's
+allocations; /proc does.
+
+--steps_env prints the environment knobs in effect (MALLOC_ARENA_MAX,
+XLA_FLAGS) so that runs can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+
+T0 = time.perf_counter()
+
+
+def status() -> dict[str, int]:
+    """VmRSS, VmHWM, RssAnon, RssFile of this process in MiB."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[k] = int(v.split()[0]) // 1024
+    return out
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def phase(name: str, fn=None):
+    """Run fn (if any) with the peak counter reset; print the phase's peak and the RSS after."""
+    reset_peak()
+    t = time.perf_counter()
+    res = fn() if fn else None
+    st = status()
+    print(f"{name:34s} peak {st['VmHWM']:6d} MiB  after {st['VmRSS']:6d} MiB "
+          f"(anon {st['RssAnon']:6d}, file {st['RssFile']:5d})  {time.perf_counter() - t:6.1f} s",
+          flush=True)
+    return res
+
+
+def release_host_memory() -> None:
+    """What `jaxserve.cli.release_host_memory` does (repeated here so the script also
+    measures a tree without it): gc, then glibc malloc_trim(0)."""
+    import ctypes
+
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max_num_seqs", type=int, default=16)
+    ap.add_argument("--num_kv_blocks", type=int, default=737)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max_tokens", type=int, default=64)
+    ap.add_argument("--compile_cache_dir", default="checkpoints/jax_compile_cache")
+    ap.add_argument("--per_program", action="store_true",
+                    help="warm up one program at a time: each program's own peak and RSS")
+    ap.add_argument("--keep_host_params", action="store_true",
+                    help="the flow before the fix: the host tree stays alive through warm-up "
+                         "and no malloc_trim between phases")
+    args = ap.parse_args()
+    print(f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX')} "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS')} load {os.getloadavg()[0]:.1f}", flush=True)
+    phase("python + argparse")
+
+    def imports():
+        import jax  # noqa: F401
+
+        import jaxserve.engine  # noqa: F401
+        import jaxserve.server  # noqa: F401
+        jax.devices()
+    phase("import jax/jaxserve + CPU client", imports)
+
+    from jaxserve.checkpoint import load_model
+    from jaxserve.checkpoint.default import resolve_model_path
+    from jaxserve.engine import LLMEngine, make_engine_config
+    from jaxserve.model_runner import enable_compilation_cache
+    from jaxserve.sampling_params import SamplingParams
+
+    enable_compilation_cache(args.compile_cache_dir)
+    loaded = phase("load_model (params cache)",
+                   lambda: load_model(resolve_model_path(None), dtype="float32"))
+    cfg, params, tok = loaded
+    del loaded
+    config = make_engine_config(cfg, max_num_seqs=args.max_num_seqs,
+                                num_kv_blocks=args.num_kv_blocks, block_size=16)
+    holder = {"params": params}
+    keep = params if args.keep_host_params else None
+    del params
+    engine = phase("LLMEngine(warmup=False): params+KV",
+                   lambda: LLMEngine(config, holder.pop("params"), tok, model_name="m",
+                                     warmup=False, progress=False))
+    if not args.keep_host_params:
+        phase("release_host_memory", release_host_memory)
+    if args.per_program:  # the same programs warm-up builds, one phase each
+        for key in engine.runner.bucket_policy.program_keys():
+            phase(f"  program {key}", lambda key=key: engine.runner._build(key))
+            release_host_memory()
+    phase("warm-up (programs)", lambda: engine.runner.warmup(progress=False))
+    if not args.keep_host_params:
+        phase("release_host_memory", release_host_memory)
+    del keep
+    stats = engine.runner.stats()
+    print(f"  programs built {stats.programs_built}, loaded {stats.programs_loaded}", flush=True)
+
+    def serve():
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        for i in range(args.requests):
+            engine.add_request(f"r{i}", "Tell me about the history of the number " + str(i),
+                               sp)
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        return steps
+    steps = phase(f"{args.requests} requests x {args.max_tokens} tok", serve)
+    print(f"  {steps} steps", flush=True)
+
+    phase("release_host_memory", release_host_memory)
+    print(f"total {time.perf_counter() - T0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
