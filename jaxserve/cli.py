@@ -107,7 +107,8 @@ def engine_args_from_flags() -> dict[str, Any]:
         scheduling_policy=FLAGS.scheduling_policy, attention_backend=FLAGS.attention_backend,
         enable_prefix_caching=FLAGS.enable_prefix_caching, static_batching=FLAGS.static_batching,
         unroll_layers=FLAGS.unroll_layers, strict_compiles=FLAGS.strict_compiles,
-        enable_prompt_logprobs=FLAGS.enable_prompt_logprobs,
+        # multi-host: the score programs would have to run in lock-step on every process
+        enable_prompt_logprobs=FLAGS.enable_prompt_logprobs and FLAGS.num_processes == 1,
         tensor_parallel_size=FLAGS.tensor_parallel_size,
         kv_cache_memory_bytes=FLAGS.kv_cache_memory_mb * 2**20)
     if FLAGS.max_model_len is not None:

@@ -424,6 +424,8 @@ class ModelRunner:
                                                  "enable_prompt_logprobs=True in one process"))
             plan = None
         if self.leader is not None:  # multi-host: the followers run the same step
+            self._program(("stack", out.token_bucket))  # a refusal here reaches no follower
+            self._program(("head", out.seq_bucket))
             self.leader.send_step(out.token_bucket, out.seq_bucket, host)
         ids, lps, top_ids, top_lps, scored = self.run_host_batch(
             host, out.token_bucket, out.seq_bucket,
@@ -433,7 +435,7 @@ class ModelRunner:
         shape = (out.token_bucket, out.seq_bucket)
         st.steps_by_shape[shape] = st.steps_by_shape.get(shape, 0) + 1
         for i, sr in enumerate(out.scheduled):
-            if sr.sample and sr.request_id not in errors:
+            if sr.sample and not isinstance(results.get(sr.request_id), RowError):
                 results[sr.request_id] = SampledToken(int(ids[i]), float(lps[i]), top_ids[i],
                                                       top_lps[i])
         if plan is not None:
@@ -523,7 +525,9 @@ class ModelRunner:
     def _rows_spec(self) -> jax.ShapeDtypeStruct:
         """Shape and dtype of the stack's gathered rows [S_max, E]: read off a built stack
         program (warm-up builds the stacks first), else traced abstractly."""
-        for (family, _), program in self._programs.items():
+        with self._stats_lock:  # the warm-up thread may be adding programs
+            built = list(self._programs.items())
+        for (family, _), program in built:
             if family == "stack":
                 return program.out_info[0]
         host = self._padding_batch(self.bucket_policy.token_buckets[0], self.max_seq_bucket)
@@ -601,6 +605,12 @@ class ModelRunner:
         self._warmup_thread.start()
 
     def _background_warmup(self, stages, t0: float, counts0: tuple[int, int, int]) -> None:
+        try:
+            self._background_stages(stages, t0, counts0)
+        finally:  # stopped (close), failed or done: wait_warmup() never hangs
+            self._warmup_done.set()
+
+    def _background_stages(self, stages, t0: float, counts0: tuple[int, int, int]) -> None:
         try:
             for cap, keys in stages:
                 for key in keys:

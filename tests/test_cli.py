@@ -34,7 +34,8 @@ def test_generate_cli_prints_outputs_and_summary(tmp_path):
     cmd = [sys.executable, "-m", "jaxserve.cli", "generate", f"--model={FIXTURE}",
            f"--prompts_file={prompts}", "--chat=false", "--ignore_eos", "--max_num_seqs=2",
            "--max_num_batched_tokens=16", "--max_model_len=64", "--block_size=4",
-           "--num_kv_blocks=64", "--compile_cache_dir=", f"--output_json={out_json}"]
+           "--num_kv_blocks=64", "--compile_cache_dir=", "--executable_cache_dir=",
+           f"--output_json={out_json}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "==== summary ====" in proc.stdout

@@ -80,7 +80,8 @@ def test_cli_generate_two_processes_tp2_same_tokens_as_one(tmp_path):
               "--prompt=abc", "--max_tokens=8", "--ignore_eos", "--max_num_batched_tokens=16",
               "--max_num_seqs=4", "--token_buckets=16", "--seq_buckets=4", "--max_model_len=64",
               "--num_kv_blocks=32", "--block_size=4", "--attention_backend=xla",
-              "--compile_cache_dir=", "--params_cache_dir=", "--print_outputs=false"]
+              "--compile_cache_dir=", "--params_cache_dir=", "--executable_cache_dir=",
+              "--print_outputs=false"]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cli = [sys.executable, "-m", "jaxserve.cli", "generate"] + common

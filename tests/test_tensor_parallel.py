@@ -143,6 +143,8 @@ def test_update_params_keeps_programs(xla):
     for tp in ("2", "4"):
         r = xla["tp"][tp]
         assert r["late_after_update"] == 0
+        assert r["trained_sharded_leaves"] > 0  # the update really came from another mesh
+        assert r["param_shardings_kept"]  # resharded to the engine's layout
         assert_same_runs(r["after_update"], xla["tp"]["1"]["runs"][:2])
 
 
@@ -228,7 +230,7 @@ def _lower_sharded_stack(kernel: str, tp: int) -> str:
     batch = StepBatch(input_ids=i32(t), positions=i32(t), logits_indices=i32(s), sampling=None,
                       attn_md=jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding=rep), md))
     fn = jax.jit(functools.partial(_stack_fn, mc, be), donate_argnums=(1,),
-                 in_shardings=(p_sh, (kv, kv), rep), out_shardings=(rep, (kv, kv)))
+                 in_shardings=(p_sh, (kv, kv), rep), out_shardings=(rep, (kv, kv), rep))
     with jax.sharding.use_abstract_mesh(mesh):
         return fn.trace(p_spec, (cache, cache), batch).lower(
             lowering_platforms=("cuda",)).as_text()

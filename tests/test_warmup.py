@@ -27,7 +27,8 @@ from test_engine import cached_reference, greedy, prompt_of, run_all
 
 ARGS = dict(max_model_len=128, block_size=4, num_kv_blocks=128, max_num_seqs=8,
             max_num_batched_tokens=32, token_buckets=(8, 32), seq_buckets=(8,),
-            attention_backend="xla", strict_compiles=True)
+            attention_backend="xla", strict_compiles=True,
+            enable_prompt_logprobs=False)  # stack + head programs only: counts below
 
 
 def test_program_stages_partition_program_keys():
@@ -39,14 +40,13 @@ def test_program_stages_partition_program_keys():
     assert stages[0][1] == [("stack", 8), ("head", 4), ("head", 8)]
     assert stages[1][1] == [("stack", 16), ("head", 32)]
     assert stages[2][1] == [("stack", 64)]
-    # A family sized per token bucket (another branch's scoring programs) follows its stack.
-    p.TOKEN_FAMILIES = ("stack", "score")
-    p.program_keys = lambda: BucketPolicy.program_keys(p) + [("score", 8), ("score", 64)]
-    stages = p.program_stages()
+    # The score family (one per token bucket, prompt logprobs) follows its stack.
+    stages = p.program_stages(score=True)
     assert set(stages[0][1]) == {("stack", 8), ("score", 8), ("head", 4), ("head", 8)}
+    assert set(stages[1][1]) == {("stack", 16), ("score", 16), ("head", 32)}
     assert set(stages[2][1]) == {("stack", 64), ("score", 64)}
     flat = [k for _, keys in stages for k in keys]
-    assert sorted(flat) == sorted(p.program_keys()) and len(flat) == len(set(flat))
+    assert sorted(flat) == sorted(p.program_keys(score=True)) and len(flat) == len(set(flat))
     assert p.token_budget == 64
     p.token_cap = 16
     assert p.token_budget == 16

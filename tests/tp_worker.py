@@ -52,6 +52,23 @@ def _run(engine, prompts, max_tokens=12, logprobs=3, prompt_logprobs=None):
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 
+def on_training_mesh(params):
+    """The canonical tree as a JAX trainer might hold it: FSDP-style on its own 1-D mesh
+    over every device, each leaf split on its first axis where that divides, else
+    replicated (a layout unlike the engine's Megatron TP one)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devs = jax.devices()
+    mesh = Mesh(np.array(devs), ("fsdp",))
+
+    def put(x):
+        x = np.asarray(x)
+        spec = PartitionSpec("fsdp") if x.ndim and x.shape[0] % len(devs) == 0 else PartitionSpec()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(put, params)
+
+
 def _shards(runner):
     rep, kv = shard_report(runner.params), shard_report(runner.kv_cache)
     layer0 = {k.split("'")[-2]: v for k, v in rep["shards"].items() if "[0]" in k}
@@ -78,6 +95,7 @@ def engine_group(backend: str, interpret: bool, tps: tuple[str, ...], *, prompts
         runner = ModelRunner(config, params, bucket_policy=BucketPolicy.from_config(
             config.scheduler), vocab_parallel=False if name.endswith("r") else None)
         eng = LLMEngine(config, runner=runner, progress=False)
+        shardings = [a.sharding for a in jax.tree.leaves(runner.params)]
         r = {"runs": _run(eng, prompts, max_tokens, prompt_logprobs=2),
              "backend": eng.runner.backend.name,
              "sharded": type(eng.runner.backend).__name__, **_shards(eng.runner)}
@@ -86,7 +104,13 @@ def engine_group(backend: str, interpret: bool, tps: tuple[str, ...], *, prompts
                  programs=st["warmup_programs"], free=st["num_free_blocks"],
                  total=st["num_total_blocks"])
         if name in ("2", "4") and backend == "xla":  # weights swap: same shardings, no recompile
-            eng.update_params(params)
+            # ... from a trainer's mesh (FSDP-style over all 4 devices): resharded to TP's
+            trained = on_training_mesh(params)
+            r["trained_sharded_leaves"] = sum(not a.sharding.is_fully_replicated
+                                              for a in jax.tree.leaves(trained))
+            eng.update_params(trained)
+            r["param_shardings_kept"] = all(
+                a.sharding == b for a, b in zip(jax.tree.leaves(eng.runner.params), shardings))
             eng.step()  # delivers nothing (idle), keeps the engine clean
             r["after_update"] = _run(eng, PROMPTS[:2])
             r["late_after_update"] = eng.get_stats()["num_compiles_after_warmup"]

@@ -93,6 +93,11 @@ def safetensors_files(directory: Path) -> list[Path]:
         except (json.JSONDecodeError, KeyError) as e:
             raise CheckpointError(f"{index}: unreadable shard index: {e}") from e
         files = [directory / f for f in dict.fromkeys(weight_map.values())]
+        root = directory.resolve()
+        outside = [f for f in files if not f.resolve().is_relative_to(root)]
+        if outside:  # an index must not point a loader (or the admin route) elsewhere
+            raise CheckpointError(f"{index}: shard(s) outside the checkpoint dir {root}: "
+                                  f"{[str(f) for f in outside]}")
     else:
         files = sorted(directory.glob("*.safetensors"))
     if not files:

@@ -67,8 +67,8 @@ def resolve_under(path: str, allowed_dir: str) -> Path:
         raise APIError(400, f"model_path={path!r} does not exist under "
                        f"--allowed_weights_dir={str(root)!r}", param="model_path")
     if real.is_dir():
-        for dirpath, _, files in os.walk(real):
-            for f in files:
+        for dirpath, dirs, files in os.walk(real):
+            for f in files + dirs:  # a symlinked sub-directory is checked too (not walked)
                 fr = Path(os.path.realpath(Path(dirpath) / f))
                 if not inside(fr):
                     raise APIError(403, f"model_path={path!r}: {str(Path(dirpath) / f)!r} "
@@ -110,11 +110,18 @@ def install_admin_routes(app: FastAPI, aengine: Any, *, api_key: str | None,
             dtype = str(aengine.engine.config.model.dtype)
             t0 = time.perf_counter()
             try:
-                _, params, _ = await asyncio.to_thread(load, real, dtype=dtype,
-                                                       cache_dir=params_cache_dir, progress=False)
-            except (ValueError, OSError) as e:
-                raise APIError(400, f"model_path={req.model_path!r}: {e}",
+                cfg, params, _ = await asyncio.to_thread(load, real, dtype=dtype,
+                                                         cache_dir=params_cache_dir,
+                                                         progress=False)
+            except Exception as e:  # any loader's error (GGUF, safetensors, orbax) is the path's
+                raise APIError(400, f"model_path={req.model_path!r}: {type(e).__name__}: {e}",
                                param="model_path") from e
+            served = aengine.engine.config.model
+            if cfg is not None and served is not None and cfg != served:
+                diff = sorted(f for f in served.__dataclass_fields__
+                              if getattr(cfg, f, None) != getattr(served, f))
+                raise APIError(400, f"model_path={req.model_path!r}: its model config differs "
+                               f"from the served model's in {diff}", param="model_path")
             t1 = time.perf_counter()
             try:
                 version = await aengine.call(lambda eng: eng.update_params(params))

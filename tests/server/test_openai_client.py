@@ -169,7 +169,8 @@ def test_models_endpoint(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     health = httpx.get(server.url("/health")).json()
-    total = len(server.engine.bucket_policy.program_keys())  # every program ready
+    total = len(server.engine.bucket_policy.program_keys(  # every program ready
+        score=server.engine.config.enable_prompt_logprobs))
     assert health == {"status": "ok", "programs_ready": total, "programs_total": total,
                       "warmup_done": True}
 
