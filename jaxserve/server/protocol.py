@@ -155,6 +155,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    # vLLM's field; not served on chat (a 400 rather than dropped): use /v1/completions.
+    prompt_logprobs: int | None = None
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -350,6 +352,9 @@ def chat_params(req: ChatCompletionRequest, *, served_model_names: list[str],
     _check_common(req, served_model_names, limits)
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
+    if req.prompt_logprobs is not None:
+        raise APIError(400, f"prompt_logprobs={req.prompt_logprobs} is not supported on "
+                       f"/v1/chat/completions; use /v1/completions", param="prompt_logprobs")
     logprobs = None
     if req.top_logprobs is not None:
         if not req.logprobs:

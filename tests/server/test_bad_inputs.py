@@ -68,6 +68,7 @@ BAD = [
     ("priority_string", CMPL, _c(priority="high"), "priority"),
     ("too_many_choices", CMPL, _c(prompt=["a"] * 40, n=8), "prompt"),
     ("logit_bias", CMPL, _c(logit_bias={"5": 101.0}), "logit_bias"),
+    ("chat_prompt_logprobs", CHAT, _m(prompt_logprobs=1), "prompt_logprobs"),  # not dropped
     ("chat_empty_messages", CHAT, _m(messages=[]), "messages"),
     ("chat_missing_messages", CHAT, {"model": MODEL}, "messages"),
     ("chat_bad_role", CHAT, _m(messages=[{"role": "wizard", "content": "x"}]), "messages"),
