@@ -18,29 +18,38 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ bos_token }}assistant {% endif %}")
 
 
+def char_tokenizer(chars, *, unk: str | None):
+    """A character-level tokenizer wrapped in jaxserve's Tokenizer: ids 0 <pad>, 1 <s>,
+    2 </s> (EOS), then one id per character of `chars` in order, then `unk` if given
+    (the unknown token; None: unknown characters map to <pad>)."""
+    import tokenizers
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+
+    from jaxserve.checkpoint.tokenizer import Tokenizer
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for c in chars:
+        vocab[c] = len(vocab)
+    if unk is not None:
+        vocab[unk] = len(vocab)
+    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=unk or "<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(["<pad>", "<s>", "</s>"])
+    return Tokenizer(backend, bos_token="<s>", eos_token="</s>", chat_template=TINY_CHAT_TEMPLATE)
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_tokenizer():
     """A 67-token character-level tokenizer wrapped in jaxserve's Tokenizer.
 
     ids: 0 <pad>, 1 <s>, 2 </s>, 3 ' ', 4..65 ASCII letters and digits, 66 <unk>.
     """
-    import tokenizers
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-
-    from jaxserve.checkpoint.tokenizer import Tokenizer
-
     chars = [" "] + list(string.ascii_lowercase) + list(string.ascii_uppercase) + list("0123456789")
     assert len(chars) == 63, len(chars)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    for c in chars:
-        vocab[c] = len(vocab)
-    vocab["<unk>"] = len(vocab)
-    assert len(vocab) == 67
-    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(["<pad>", "<s>", "</s>"])
-    return Tokenizer(backend, bos_token="<s>", eos_token="</s>", chat_template=TINY_CHAT_TEMPLATE)
+    tok = char_tokenizer(chars, unk="<unk>")
+    assert tok.vocab_size == 67, tok.vocab_size
+    return tok
 
 
 @functools.lru_cache(maxsize=None)

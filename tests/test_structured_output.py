@@ -61,21 +61,11 @@ GBNF = 'root ::= "id=" [0-9] [0-9]? ";"'
 @functools.lru_cache(maxsize=None)
 def ascii_tokenizer():
     """Character tokenizer: 0 <pad>, 1 <s>, 2 </s> (EOS), 3..97 printable ASCII (' '..'~')."""
-    import tokenizers
-    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from conftest import char_tokenizer
 
-    from conftest import TINY_CHAT_TEMPLATE
-    from jaxserve.checkpoint.tokenizer import Tokenizer
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    for c in (chr(i) for i in range(32, 127)):
-        vocab[c] = len(vocab)
-    assert len(vocab) == 98
-    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(["<pad>", "<s>", "</s>"])
-    return Tokenizer(backend, bos_token="<s>", eos_token="</s>", chat_template=TINY_CHAT_TEMPLATE)
+    tok = char_tokenizer([chr(i) for i in range(32, 127)], unk=None)
+    assert tok.vocab_size == 98, tok.vocab_size
+    return tok
 
 
 _ENGINES: dict = {}
