@@ -164,8 +164,8 @@ def program_key_parts(config: Any, family: str, size: int, args: Any, *,
     """
     parts = _static_parts()
     parts.update({
+        # config carries tensor_parallel_size (and every other program-shaping field)
         "family": family, "size": int(size), "config": _config_parts(config),
-        "tensor_parallel_size": int(getattr(config, "tensor_parallel_size", 1)),
         "attention_backend": backend_name, "args": _arg_signature(args),
     })
     parts.update(extra or {})
