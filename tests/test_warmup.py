@@ -211,6 +211,11 @@ def test_server_is_healthy_and_serves_during_progressive_warmup():
             assert m["jaxserve:programs_ready"] == 3 == m["jaxserve:programs_total"]
             assert httpx.get(srv.url("/health")).json()["warmup_done"] is True
             assert _ask_all(srv) == during  # the same tokens after full warm-up
+            # A fresh 30-token prompt (no prefix-cache hit, unlike the repeated PROMPTS)
+            # prefills in one step: the 32-token bucket, now that it is built.
+            r = httpx.post(srv.url("/v1/completions"), timeout=300, json={
+                "model": "tiny", "prompt": "z" * 30, "max_tokens": 1, "temperature": 0})
+            assert r.status_code == 200, r.text
             assert any(t == 32 for t, _ in runner.stats().steps_by_shape)
     finally:
         if "gate" in holder:
