@@ -44,6 +44,11 @@ flags.DEFINE_enum("scheduling_policy", "fcfs", ["fcfs", "priority"],
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse KV blocks of shared prompt prefixes.")
 flags.DEFINE_bool("unroll_layers", True, "Unroll the decoder layers in each step program: faster "
                   "steps on CPU, ~2.5x longer compiles (false: lax.scan over stacked weights).")
+flags.DEFINE_integer("layers_per_program", 1, "Decoder layers per compiled layer program (with "
+                     "--unroll_layers): the stack runs as num_layers / N calls of one program. "
+                     "1 compiles fastest; num_layers is one program for the whole stack.")
+flags.DEFINE_integer("compile_threads", 2, "Threads that compile the programs needed before "
+                     "the server is ready (XLA:CPU compiles one program per core).")
 flags.DEFINE_bool("strict_compiles", False, "Refuse (fail the step) instead of compiling when a "
                   "step needs a program warm-up did not build.")
 flags.DEFINE_bool("enable_prompt_logprobs", True, "Build the score programs (one per token "
@@ -106,7 +111,9 @@ def engine_args_from_flags() -> dict[str, Any]:
         bucket_policy=FLAGS.bucket_policy, bucket_gap=FLAGS.bucket_gap,
         scheduling_policy=FLAGS.scheduling_policy, attention_backend=FLAGS.attention_backend,
         enable_prefix_caching=FLAGS.enable_prefix_caching, static_batching=FLAGS.static_batching,
-        unroll_layers=FLAGS.unroll_layers, strict_compiles=FLAGS.strict_compiles,
+        unroll_layers=FLAGS.unroll_layers, layers_per_program=FLAGS.layers_per_program,
+        compile_threads=FLAGS.compile_threads,
+        strict_compiles=FLAGS.strict_compiles,
         # multi-host: the score programs would have to run in lock-step on every process
         enable_prompt_logprobs=FLAGS.enable_prompt_logprobs and FLAGS.num_processes == 1,
         tensor_parallel_size=FLAGS.tensor_parallel_size,

@@ -313,6 +313,12 @@ class EngineConfig:
     # lax.scan over stacked weights: XLA:CPU copies each layer's weight slice out of the
     # stack under the scan. Faster steps, longer compiles (notes/perf.md).
     unroll_layers: bool = True
+    # With unroll_layers: the layer stack of a token bucket runs as L / G calls of ONE
+    # compiled program over G consecutive layers (per-layer weight and KV cache buffers,
+    # the cache donated call by call), plus an embed and a final-norm program. G = 1
+    # compiles ~7x faster than the one-program stack (G = L) at the same step time
+    # (notes/startup.md, scripts/profile_layer_groups.py). Must divide num_hidden_layers.
+    layers_per_program: int = 1
     # Refuse (RuntimeError) a step whose program warm-up did not build, instead of
     # compiling it late with an ERROR log (on in the test suite).
     strict_compiles: bool = False
@@ -327,11 +333,22 @@ class EngineConfig:
     # the rest compile in a background thread while steps are capped at the largest
     # ready bucket (`BucketPolicy.program_stages`).
     warmup: Literal["full", "progressive"] = "full"
+    # Threads that build the programs needed before ready (stage 0 of a progressive
+    # warm-up, every program of a full one) at once; XLA:CPU compiles one program on
+    # one core. The background stages use one thread (serving goes on beside them).
+    compile_threads: int = 2
 
     def __post_init__(self):
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size!r} must be a "
                  f"positive int")
+        L = self.model.num_hidden_layers
+        _require(isinstance(self.layers_per_program, int) and 1 <= self.layers_per_program <= L
+                 and L % self.layers_per_program == 0,
+                 f"EngineConfig.layers_per_program={self.layers_per_program!r} must be a "
+                 f"divisor of num_hidden_layers={L}")
+        _require(isinstance(self.compile_threads, int) and self.compile_threads >= 1,
+                 f"EngineConfig.compile_threads={self.compile_threads!r} must be a positive int")
         _require(self.warmup in ("full", "progressive"),
                  f"EngineConfig.warmup={self.warmup!r} must be 'full' or 'progressive'")
         _require(self.attention_backend in ("auto", "xla", "pallas", "pallas_mosaic",

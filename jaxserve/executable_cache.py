@@ -70,7 +70,8 @@ _NON_PROGRAM_FIELDS = {
     "scheduler": ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
                   "policy", "bucket_policy", "bucket_gap", "min_token_bucket", "min_seq_bucket",
                   "token_buckets", "seq_buckets", "static_batching"),
-    "": ("strict_compiles", "warmup", "enable_prompt_logprobs"),  # the set, not a program
+    "": ("strict_compiles", "warmup", "compile_threads",
+         "enable_prompt_logprobs"),  # the set, not a program
 }
 # jax config flags that change what a trace lowers to.
 _JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_dtype_promotion",

@@ -31,6 +31,7 @@ lowering and compiling it.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -48,6 +49,7 @@ from tqdm.auto import tqdm
 from jaxserve.batch import build_batch
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.executable_cache import ExecutableCache, program_key_parts
+from jaxserve.layer_stack import LayerStackProgram, embed_fn, final_fn, layers_fn
 from jaxserve.model.attention import AttentionBackend, CommonAttentionMetadata, get_attention_backend
 from jaxserve.model.llama import compute_logits, paged_attn, prepare_params, run_layers
 from jaxserve.parallel import TensorParallel
@@ -269,10 +271,21 @@ class ModelRunner:
             interpret=config.attention_interpret))
         self.params = prepare_params(self.cfg, params, unroll_layers=config.unroll_layers,
                                      place=self.tp.place_params)
+        # Layer-group programs (`jaxserve.layer_stack`) with unrolled layers; the scan keeps
+        # the one-program stack over the stacked [L, ...] weights and cache.
+        self.group = config.layers_per_program if config.unroll_layers else None
         self.kv_cache = self._zero_kv_cache()
         stack_sh, head_sh, score_sh = self._jit_shardings()
         self._stack_jit = jax.jit(functools.partial(_stack_fn, self.model_cfg, self.backend),
                                   donate_argnums=(1,), **stack_sh)
+        if self.group is not None:
+            emb_sh, lay_sh, fin_sh = self._group_shardings()
+            # functools.partial: a callable of this runner's own, as the other programs
+            # (JAX's in-memory caches are per callable; the compile accounting is per runner)
+            self._embed_jit = jax.jit(functools.partial(embed_fn), **emb_sh)
+            self._layers_jit = jax.jit(functools.partial(layers_fn, self.model_cfg, self.backend),
+                                       donate_argnums=(1, 2), **lay_sh)
+            self._final_jit = jax.jit(functools.partial(final_fn, self.model_cfg), **fin_sh)
         self._head_jit = jax.jit(functools.partial(_head_fn, self.model_cfg, config.max_logprobs,
                                                    config.logprobs_mode), **head_sh)
         # Scoring (prompt logprobs) needs its program run in lock-step on every process;
@@ -305,16 +318,34 @@ class ModelRunner:
                 dict(in_shardings=(ps, r, r), out_shardings=r),
                 dict(in_shardings=(ps, r, r), out_shardings=r))
 
-    def _zero_kv_cache(self) -> tuple[jax.Array, jax.Array]:
-        shape = (self.cfg.num_hidden_layers, self.num_kv_blocks, self.block_size,
-                 self.model_cfg.num_key_value_heads, self.cfg.head_dim)
+    def _group_shardings(self) -> tuple[dict, dict, dict]:
+        """Explicit shardings of the embed / layers / final programs under a mesh: weights
+        and per-layer caches as placed, activations and step metadata replicated."""
+        if self.tp.mesh is None:
+            return {}, {}, {}
+        g, r, kv = self.group, self.tp.replicated, self.tp.kv_layer_sharding
+        lps = jax.tree.map(lambda a: a.sharding, self.params["layers"][:g])
+        return (dict(in_shardings=(self.params["embed"].sharding, r), out_shardings=r),
+                dict(in_shardings=(lps, [kv] * g, [kv] * g, r, r, r),
+                     out_shardings=(r, [kv] * g, [kv] * g)),
+                dict(in_shardings=(r, r, r), out_shardings=(r, r)))
+
+    def _zero_kv_cache(self) -> tuple:
+        """Zeroed K and V caches: each [L, N, B, K', D] for the scan, or (layer-group
+        programs) a tuple of L per-layer [N, B, K', D] buffers."""
+        L = self.cfg.num_hidden_layers
+        shape = (self.num_kv_blocks, self.block_size, self.model_cfg.num_key_value_heads,
+                 self.cfg.head_dim)
         dt = jnp.dtype(self.cfg.dtype)
-        return tuple(self.tp.zeros(shape, dt, self.tp.kv_sharding) for _ in range(2))
+        if self.group is not None:
+            return tuple(tuple(self.tp.zeros(shape, dt, self.tp.kv_layer_sharding)
+                               for _ in range(L)) for _ in range(2))
+        return tuple(self.tp.zeros((L, *shape), dt, self.tp.kv_sharding) for _ in range(2))
 
     def reset(self) -> bool:
         """After a failed step: a fresh zeroed cache if the failure consumed the donated
-        one (its buffers are deleted); True then, since every cached KV row is gone."""
-        if not any(a.is_deleted() for a in self.kv_cache):
+        one (any of its buffers is deleted); True then, since every cached KV row is gone."""
+        if not any(a.is_deleted() for a in jax.tree.leaves(self.kv_cache)):
             return False
         self.kv_cache = self._zero_kv_cache()
         return True
@@ -484,29 +515,55 @@ class ModelRunner:
                                      jax.ShapeDtypeStruct((size,), jnp.int32))
         raise ValueError(f"unknown program family {family!r} (key {key})")
 
-    def _build(self, key: tuple[str, int]) -> Any:
-        """Make one program ready: restore it from the executable cache (no trace), else
-        lower and compile it (XLA, or JAX's persistent compile cache) and store it there.
-        Thread-safe: the background warm-up thread builds too."""
-        fn, args = self._example_args(key)
-        t0, hits0 = time.perf_counter(), CacheHits.count()
-        parts = program = None
+    def _group_stack_args(self, t_pad: int) -> dict[str, tuple[Any, tuple]]:
+        """{part: (jitted function, example arguments)} of a token bucket's layer-group
+        stack (`jaxserve.layer_stack`): the embed, G-layer and final programs."""
+        host = self._padding_batch(t_pad, self.max_seq_bucket)
+        g, p = self.group, self._param_specs
+        x = jax.ShapeDtypeStruct((t_pad, self.cfg.hidden_size), p["embed"].dtype)
+        return {"embed": (self._embed_jit, (p["embed"], host.input_ids)),
+                "layers": (self._layers_jit, (p["layers"][:g], list(self._kv_specs[0][:g]),
+                                              list(self._kv_specs[1][:g]), x, host.positions,
+                                              host.attn_md)),
+                "final": (self._final_jit, (p["final_norm"], x, host.logits_indices))}
+
+    def _compile(self, family: str, size: int, fn: Any, args: tuple) -> tuple[Any, str]:
+        """(program, how): restored from the executable cache (no trace), else lowered
+        and compiled: "built" by XLA or "loaded" from JAX's persistent compile cache."""
+        hits0 = CacheHits.count()
+        parts = None
         if self._exec_cache is not None:
-            parts = program_key_parts(self.config, key[0], key[1], args,
+            parts = program_key_parts(self.config, family, size, args,
                                       backend_name=type(self.backend).__name__,
                                       extra={"num_kv_blocks": self.num_kv_blocks,
                                              "max_seq_bucket": self.max_seq_bucket})
             program = self._exec_cache.load(parts)
-        kind = "restored"
-        if program is None:
-            program = fn.lower(*args).compile()
-            kind = "loaded" if CacheHits.count() > hits0 else "built"
-            # Only a fresh XLA compile is stored: on XLA:CPU an executable that came out of
-            # JAX's compile cache re-serializes without its JIT-compiled kernels and fails
-            # at run time ("Function wrapped_iota not found"). It is stored once a compile
-            # is real (`make clean-cache`, or a cold compile-cache dir).
-            if parts is not None and kind == "built":
-                self._exec_cache.store(parts, program)
+            if program is not None:
+                return program, "restored"
+        program = fn.lower(*args).compile()
+        kind = "loaded" if CacheHits.count() > hits0 else "built"
+        # Only a fresh XLA compile is stored: on XLA:CPU an executable that came out of
+        # JAX's compile cache re-serializes without its JIT-compiled kernels and fails
+        # at run time ("Function wrapped_iota not found"). It is stored once a compile
+        # is real (`make clean-cache`, or a cold compile-cache dir).
+        if parts is not None and kind == "built":
+            self._exec_cache.store(parts, program)
+        return program, kind
+
+    def _build(self, key: tuple[str, int]) -> Any:
+        """Make one program ready (`_compile`; a layer-group stack is its three parts,
+        counted as one program: built if any part was built). Thread-safe: the
+        background warm-up thread builds too."""
+        t0 = time.perf_counter()
+        if key[0] == "stack" and self.group is not None:
+            parts = {name: self._compile(f"stack.{name}", key[1], fn, args)
+                     for name, (fn, args) in self._group_stack_args(key[1]).items()}
+            kinds = {k for _, k in parts.values()}
+            kind = next(k for k in ("built", "loaded", "restored") if k in kinds)
+            program = LayerStackProgram(embed=parts["embed"][0], layers=parts["layers"][0],
+                                        final=parts["final"][0], group=self.group)
+        else:
+            program, kind = self._compile(key[0], key[1], *self._example_args(key))
         with self._stats_lock:
             st = self._stats
             dt = time.perf_counter() - t0
@@ -523,14 +580,20 @@ class ModelRunner:
         return program
 
     def _rows_spec(self) -> jax.ShapeDtypeStruct:
-        """Shape and dtype of the stack's gathered rows [S_max, E]: read off a built stack
-        program (warm-up builds the stacks first), else traced abstractly."""
+        """Shape and dtype of the stack's gathered rows [S_max, E]. Layer-group stacks:
+        the final program traced abstractly (cheap, the same in every thread and run, so
+        head keys in the executable cache never depend on build order). The one-program
+        stack: read off a built stack program, else traced abstractly."""
+        t_pad = self.bucket_policy.token_buckets[0]
+        if self.group is not None:  # the final program alone: no layer is traced
+            fn, args = self._group_stack_args(t_pad)["final"]
+            return jax.eval_shape(fn, *args)[0]
         with self._stats_lock:  # the warm-up thread may be adding programs
             built = list(self._programs.items())
         for (family, _), program in built:
             if family == "stack":
                 return program.out_info[0]
-        host = self._padding_batch(self.bucket_policy.token_buckets[0], self.max_seq_bucket)
+        host = self._padding_batch(t_pad, self.max_seq_bucket)
         return jax.eval_shape(self._stack_jit, self._param_specs, self._kv_specs,
                               dataclasses.replace(host, sampling=None))[0]
 
@@ -582,10 +645,7 @@ class ModelRunner:
         bar = tqdm(total=sum(len(k) for _, k in now), desc="warm-up (compile buckets)",
                    disable=not progress)
         for cap, keys in now:
-            for key in keys:
-                if key not in self._programs:
-                    self._build(key)
-                bar.update(1)
+            self._build_all(keys, bar)
             self.bucket_policy.token_cap = cap
         bar.close()
         st.ready_seconds = time.perf_counter() - t0
@@ -603,6 +663,21 @@ class ModelRunner:
                                                name="jaxserve-warmup", daemon=True)
         _WARMING_RUNNERS.add(self)
         self._warmup_thread.start()
+
+    def _build_all(self, keys: list[tuple[str, int]], bar: Any) -> None:
+        """Build the missing ones of `keys` on `config.compile_threads` threads (XLA:CPU
+        compiles a program on one core; `_build` is thread-safe), ticking `bar`."""
+        todo = [k for k in keys if k not in self._programs]
+        bar.update(len(keys) - len(todo))
+        n = min(self.config.compile_threads, len(todo))
+        if n <= 1:
+            for key in todo:
+                self._build(key)
+                bar.update(1)
+            return
+        with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jaxserve-compile") as ex:
+            for _ in ex.map(self._build, todo):
+                bar.update(1)
 
     def _background_warmup(self, stages, t0: float, counts0: tuple[int, int, int]) -> None:
         try:

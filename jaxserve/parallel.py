@@ -68,6 +68,7 @@ def top_specs(vocab_parallel: bool) -> dict[str, P]:
 
 
 KV_CACHE_SPEC = P(None, None, None, TP_AXIS, None)  # [L, N, B, K', D]: split over KV heads
+KV_LAYER_SPEC = P(None, None, TP_AXIS, None)  # one layer's [N, B, K', D] (layer-group programs)
 HEADS_SPEC = P(None, TP_AXIS, None)  # q [T, H, D], k / v [T, K', D]
 
 
@@ -231,6 +232,10 @@ class TensorParallel:
     @property
     def kv_sharding(self) -> NamedSharding | None:
         return None if self.mesh is None else NamedSharding(self.mesh, KV_CACHE_SPEC)
+
+    @property
+    def kv_layer_sharding(self) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, KV_LAYER_SPEC)
 
     # ---------------------------------------------------------------- placement
     def place_params(self, tree: dict) -> dict:

@@ -1,7 +1,7 @@
 """Serial vs threaded program builds, and where one build's time goes (issue 12).
 
     .venv/bin/python scripts/measure_parallel_compile.py --mode serial|threads \
-        [--keys stack:8,stack:16] [--max_num_seqs 8] [--threads 2]
+        [--keys stack:8,stack:16] [--max_num_seqs 8] [--threads 2] [--layers_per_program 1]
 
 Builds the default model's `ModelRunner` (JAX compile cache and executable cache off,
 so every program is a real XLA compile), then the listed programs either one after
@@ -29,6 +29,8 @@ def main():
     ap.add_argument("--keys", default="stack:8,stack:16")
     ap.add_argument("--max_num_seqs", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers_per_program", type=int, default=1,
+                    help="G of the layer-group stack (num_layers: the one-program stack)")
     a = ap.parse_args()
     up0 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     t0 = time.perf_counter()
@@ -36,7 +38,8 @@ def main():
     t_params = time.perf_counter() - t0
     config = make_engine_config(cfg, max_model_len=2048, block_size=16,
                                 kv_cache_memory_bytes=512 * 2**20, max_num_seqs=a.max_num_seqs,
-                                max_num_batched_tokens=256, attention_backend="auto")
+                                max_num_batched_tokens=256, attention_backend="auto",
+                                layers_per_program=a.layers_per_program)
     runner = ModelRunner(config, params, bucket_policy=BucketPolicy.from_config(config.scheduler),
                          executable_cache_dir="")
     keys = [(k.split(":")[0], int(k.split(":")[1])) for k in a.keys.split(",")]
@@ -45,16 +48,20 @@ def main():
     if a.mode == "serial":
         per = {}
         for key in keys:
-            fn, args = runner._example_args(key)
-            t1 = time.perf_counter()
-            traced = fn.trace(*args)
-            t2 = time.perf_counter()
-            lowered = traced.lower()
-            t3 = time.perf_counter()
-            lowered.compile()
-            t4 = time.perf_counter()
-            per[f"{key[0]}:{key[1]}"] = {"trace_s": t2 - t1, "lower_s": t3 - t2,
-                                         "compile_s": t4 - t3}
+            if key[0] == "stack" and runner.group is not None:  # its embed / layers / final
+                progs = {f"stack.{n}:{key[1]}": fa
+                         for n, fa in runner._group_stack_args(key[1]).items()}
+            else:
+                progs = {f"{key[0]}:{key[1]}": runner._example_args(key)}
+            for name, (fn, args) in progs.items():
+                t1 = time.perf_counter()
+                traced = fn.trace(*args)
+                t2 = time.perf_counter()
+                lowered = traced.lower()
+                t3 = time.perf_counter()
+                lowered.compile()
+                t4 = time.perf_counter()
+                per[name] = {"trace_s": t2 - t1, "lower_s": t3 - t2, "compile_s": t4 - t3}
         res["per_program"] = per
     else:
         with concurrent.futures.ThreadPoolExecutor(a.threads) as ex:

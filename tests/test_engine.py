@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 
@@ -396,8 +397,8 @@ def test_engine_step_failure_is_retried_on_a_rebuilt_cache(monkeypatch):
 
     def failing(out, requests):
         calls["n"] += 1
-        if calls["n"] == 3:  # mid-decode, and the donated KV cache is lost with it
-            for a in runner.kv_cache:
+        if calls["n"] == 3:  # mid-decode, mid-stack: the caches donated so far are lost
+            for a in jax.tree.leaves(runner.kv_cache)[:3]:
                 a.delete()
             raise RuntimeError("injected device failure")
         return real_execute(out, requests)
@@ -409,7 +410,7 @@ def test_engine_step_failure_is_retried_on_a_rebuilt_cache(monkeypatch):
     assert done["x"].outputs[0].token_ids == cached_reference(tuple(P), 8)
     assert done["y"].outputs[0].token_ids == cached_reference(tuple(prompt_of(9)), 8)
     assert engine.get_stats()["num_failed_steps"] == 1
-    assert not any(a.is_deleted() for a in runner.kv_cache)  # reset() rebuilt the lost cache
+    assert not any(a.is_deleted() for a in jax.tree.leaves(runner.kv_cache))  # reset() rebuilt the lost cache
     assert_idle_and_clean(engine)
 
 

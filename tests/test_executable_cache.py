@@ -70,8 +70,11 @@ def cold(tmp_path_factory):
     cache = tmp_path_factory.mktemp("exec_cache")
     res, log = _run(cache)
     assert (res["built"], res["restored"], res["total"]) == (3, 0, 3), res
-    assert sorted(p.name.split("_")[0] for p in cache.glob("*.jxe")) == ["head", "stack",
-                                                                       "stack"]
+    # A layer-group stack is three entries (jaxserve.layer_stack): embed, layers, final.
+    assert sorted(p.name.split("_")[0] for p in cache.glob("*.jxe")) == [
+        "head",
+        "stack.embed", "stack.embed", "stack.final", "stack.final", "stack.layers",
+        "stack.layers"]
     assert not list(cache.glob(".*.tmp")), "a temporary file was left behind"
     return cache, res
 
@@ -86,7 +89,7 @@ def test_restart_builds_nothing_and_gives_the_same_tokens(cold):
 
 def test_a_truncated_or_corrupt_entry_is_rebuilt_and_replaced(cold):
     cache, first = cold
-    stack4 = next(cache.glob("stack_4_*.jxe"))
+    stack4 = next(cache.glob("stack.layers_4_*.jxe"))  # one part: the stack is rebuilt
     good = stack4.read_bytes()
     stack4.write_bytes(good[: len(good) // 2])  # truncated, as by a crash mid-copy
     res, log = _run(cache)
@@ -113,7 +116,7 @@ def test_a_key_change_misses_and_says_why(cold):
     # (same size, same row count), the 16-token stack is new.
     res, log = _run(cache, token_buckets=[4, 16], max_num_batched_tokens=16)
     assert (res["built"], res["restored"]) == (1, 2), res
-    assert "stack 16: no cached entry" in log
+    assert "stack.layers 16: no cached entry" in log
 
 
 def test_concurrent_writers_leave_one_whole_entry(tmp_path):

@@ -116,8 +116,9 @@ def test_shard_shapes(xla):
             assert l0[name] == [shape] * tp, (tp, name, l0[name])
         assert r["embed"] == [[V // tp if vocab else V, E]] * tp  # vocab-parallel or replicated
         assert r["lm_head"] == [[E, V // tp if vocab else V]] * tp
-        assert r["kv_shape"] == [L, 16, 4, max(K, tp), D]
-        assert r["kv_shards"] == [[L, 16, 4, kv_local, D]] * tp
+        assert r["kv_layers"] == L
+        assert r["kv_shape"] == [16, 4, max(K, tp), D]
+        assert r["kv_shards"] == [[16, 4, kv_local, D]] * tp
 
 
 def test_bytes_per_device(xla):
@@ -166,7 +167,7 @@ def test_smollm2_tp3_reproduces_hf_greedy():
         ok, where = agree_until_near_tie(got, run["greedy_ids"], run["top2_logit_gap"])
         assert ok, f"prompt {i} diverges from HF at step {where}: {got} vs {run['greedy_ids']}"
     assert r["late"] == 0
-    assert r["kv_shards"] == [[30, 48, 16, 1, 64]] * 3  # one of the 3 KV heads per device
+    assert r["kv_layers"] == 30 and r["kv_shards"] == [[48, 16, 1, 64]] * 3  # one of the 3 KV heads per device
     assert r["layer0"]["wq"] == [[576, 3 * 64]] * 3
     assert r["vocab_parallel"] and r["embed"] == [[49152 // 3, 576]] * 3  # tied: embed is the head
 
@@ -184,10 +185,12 @@ def test_pallas_triton_per_shard_interpret_same_tokens_as_tp1_xla():
         assert got["late"] == 0
 
 
-def _lower_sharded_stack(kernel: str, tp: int) -> str:
-    """The runner's layer-stack program (`_stack_fn`), sharded over an abstract ('dp', 'tp')
-    mesh of H200s, with the Pallas kernel per shard, lowered for CUDA (no GPU needed; the
-    abstract device gives the Triton lowering its compute capability)."""
+def _lower_sharded_stack(kernel: str, tp: int, *, per_layer: bool = False) -> str:
+    """The runner's one-program layer stack (`_stack_fn`, stacked cache), or with
+    per_layer its layer-group program (`layer_stack.layers_fn` over all L layers, one
+    [N, B, K', D] cache per layer), sharded over an abstract ('dp', 'tp') mesh of H200s,
+    with the Pallas kernel per shard, lowered for CUDA (no GPU needed; the abstract
+    device gives the Triton lowering its compute capability)."""
     import functools
 
     import jax
@@ -229,6 +232,18 @@ def _lower_sharded_stack(kernel: str, tp: int) -> str:
     i32 = lambda n: sds((n,), jnp.int32, sharding=rep)  # noqa: E731
     batch = StepBatch(input_ids=i32(t), positions=i32(t), logits_indices=i32(s), sampling=None,
                       attn_md=jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding=rep), md))
+    if per_layer:  # the engine's layer-group program (G = L here): per-layer caches
+        from jaxserve.layer_stack import layers_fn
+
+        kvl = NamedSharding(mesh, parallel.KV_LAYER_SPEC)
+        caches = [sds((blocks, 16, mc.num_key_value_heads, 64), jnp.bfloat16, sharding=kvl)] * L
+        x = sds((t, mc.hidden_size), jnp.bfloat16, sharding=rep)
+        fn = jax.jit(functools.partial(layers_fn, mc, be), donate_argnums=(1, 2),
+                     in_shardings=(p_sh["layers"], [kvl] * L, [kvl] * L, rep, rep, rep),
+                     out_shardings=(rep, [kvl] * L, [kvl] * L))
+        with jax.sharding.use_abstract_mesh(mesh):
+            return fn.trace(p_spec["layers"], caches, caches, x, batch.positions,
+                            batch.attn_md).lower(lowering_platforms=("cuda",)).as_text()
     fn = jax.jit(functools.partial(_stack_fn, mc, be), donate_argnums=(1,),
                  in_shardings=(p_sh, (kv, kv), rep), out_shardings=(rep, (kv, kv), rep))
     with jax.sharding.use_abstract_mesh(mesh):
@@ -237,13 +252,14 @@ def _lower_sharded_stack(kernel: str, tp: int) -> str:
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("kernel,tp,local", [("triton", 2, "bq16_gp4"), ("triton", 4, "bq32_gp2"),
-                                             ("mosaic", 2, "bq32_gp4")])
-def test_sharded_step_lowers_for_cuda(kernel, tp, local):
+@pytest.mark.parametrize("kernel,tp,local,per_layer", [
+    ("triton", 2, "bq16_gp4", False), ("triton", 4, "bq32_gp2", True),
+    ("mosaic", 2, "bq32_gp4", True)])
+def test_sharded_step_lowers_for_cuda(kernel, tp, local, per_layer):
     from tests.pallas.test_lowering import TRITON_CALL
     from tests.pallas.test_mosaic_lowering import MOSAIC_CALL
 
-    text = _lower_sharded_stack(kernel, tp)
+    text = _lower_sharded_stack(kernel, tp, per_layer=per_layer)
     assert f"mhlo.num_partitions = {tp}" in text
     # write_kv + attention per layer, each a manual (per-shard) computation
     assert text.count("sdy.manual_computation") == 2 * L

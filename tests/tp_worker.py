@@ -75,7 +75,9 @@ def _shards(runner):
     return {"param_bytes": rep["bytes_per_device"], "kv_bytes": kv["bytes_per_device"],
             "layer0": layer0, "embed": rep["shards"]["['embed']"],
             "lm_head": rep["shards"].get("['lm_head']"), "vocab_parallel": runner.tp.vocab_parallel,
-            "kv_shards": kv["shards"]["[0]"], "kv_shape": list(runner.kv_cache[0].shape)}
+            # layer 0's K cache (each layer has its own [N, B, K', D] buffer)
+            "kv_shards": kv["shards"]["[0][0]"], "kv_shape": list(runner.kv_cache[0][0].shape),
+            "kv_layers": len(runner.kv_cache[0])}
 
 
 def engine_group(backend: str, interpret: bool, tps: tuple[str, ...], *, prompts=PROMPTS,
