@@ -186,11 +186,19 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+DEFAULT_MAX_BYTES = 512 << 20  # ~100 program sets of the default model's layer-group programs
+
+
 class ExecutableCache:
     """Serialized AOT executables on disk, one file per (program, key).
 
     Args:
       directory: where entries live (created on the first store).
+      max_bytes: size cap of the directory's entries. After each store the least
+        recently used entries (file mtime; `load` touches an entry it returns) are
+        deleted until the rest fit, as JAX's persistent compile cache does with
+        `jax_compilation_cache_max_size`; the entry just stored is always kept.
+        None: no cap.
 
     `load` returns None on a miss (logging why at INFO: no entry, or which
     key parts differ from an entry of the same program) and on a damaged
@@ -199,8 +207,9 @@ class ExecutableCache:
     a rebuild).
     """
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, *, max_bytes: int | None = DEFAULT_MAX_BYTES):
         self.dir = Path(directory)
+        self.max_bytes = max_bytes
 
     def path(self, parts: dict) -> Path:
         return self.dir / f"{parts['family']}_{parts['size']}_{_digest(parts)[:20]}{SUFFIX}"
@@ -255,7 +264,12 @@ class ExecutableCache:
             if header.get("key") != json.loads(json.dumps(parts, default=str)):
                 raise ValueError("stored key differs from the requested one (hash collision?)")
             serialized, in_tree, out_tree = pickle.loads(payload)
-            return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+            program = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+            try:
+                os.utime(path)  # recently used: the size cap evicts the others first
+            except OSError:
+                pass
+            return program
         except Exception as e:  # noqa: BLE001 - a bad entry is rebuilt, never a crash
             logger.warning("executable cache entry %s for %s is unusable (%s: %s); rebuilding it",
                            path.name, name, type(e).__name__, e)
@@ -273,6 +287,37 @@ class ExecutableCache:
                 tmp.unlink(missing_ok=True)
             except (ValueError, IndexError, PermissionError, OSError):
                 continue
+
+    def evict(self, keep: Path | None = None) -> int:
+        """Delete least-recently-used entries until the total fits `max_bytes` (never
+        `keep`); returns how many were deleted. Races with other writers are harmless:
+        a file gone already is skipped, and a deleted entry only costs a rebuild."""
+        if self.max_bytes is None:
+            return 0
+        entries = []
+        for p in self.dir.glob(f"*{SUFFIX}"):
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            entries.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in entries)
+        removed = 0
+        for _, size, p in sorted(entries, key=lambda e: e[0]):
+            if total <= self.max_bytes:
+                break
+            if p == keep:
+                continue
+            try:
+                p.unlink()
+            except OSError:
+                continue
+            total -= size
+            removed += 1
+        if removed:
+            logger.info("executable cache: evicted %d least recently used entries (cap %d MiB)",
+                        removed, self.max_bytes >> 20)
+        return removed
 
     def store(self, parts: dict, compiled: Any) -> bool:
         """Write `compiled` under `parts` (atomically); False (logged) if it could not be."""
@@ -295,6 +340,7 @@ class ExecutableCache:
                 f.write(payload)
             os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide it from other users
             os.replace(tmp, path)
+            self.evict(keep=path)
             return True
         except Exception as e:  # noqa: BLE001 - caching is an optimisation
             logger.warning("could not store %s in the executable cache (%s: %s)", path.name,

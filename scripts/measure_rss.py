@@ -1,7 +1,7 @@
 """Where the resident memory of `jaxserve serve` goes: VmRSS / VmHWM per start-up phase.
 
     .venv/bin/python scripts/measure_rss.py [--max_num_seqs=16] [--num_kv_blocks=737] \
-        [--requests=16 --max_tokens=64]
+        [--requests=16 --max_tokens=64] [--executable_cache_dir=DIR]
 
 Runs the same start-up as `jaxserve serve` (`cli.build_engine`'s calls: compile
 cache, `load_model` from the params cache, `LLMEngine` with its warm-up) in
@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max_tokens", type=int, default=64)
     ap.add_argument("--compile_cache_dir", default="checkpoints/jax_compile_cache")
+    ap.add_argument("--executable_cache_dir", default="checkpoints/executable_cache",
+                    help="as `jaxserve serve` ('' off): a second run restores every program")
     ap.add_argument("--per_program", action="store_true",
                     help="warm up one program at a time: each program's own peak and RSS")
     ap.add_argument("--keep_host_params", action="store_true",
@@ -91,10 +93,11 @@ def main() -> None:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.model_runner import enable_compilation_cache
+    from jaxserve.model_runner import enable_compilation_cache, enable_executable_cache
     from jaxserve.sampling_params import SamplingParams
 
     enable_compilation_cache(args.compile_cache_dir)
+    enable_executable_cache(args.executable_cache_dir)
     loaded = phase("load_model (params cache)",
                    lambda: load_model(resolve_model_path(None), dtype="float32"))
     cfg, params, tok = loaded
@@ -118,7 +121,8 @@ def main() -> None:
         phase("release_host_memory", release_host_memory)
     del keep
     stats = engine.runner.stats()
-    print(f"  programs built {stats.programs_built}, loaded {stats.programs_loaded}", flush=True)
+    print(f"  programs built {stats.programs_built}, loaded {stats.programs_loaded}, restored "
+          f"{stats.programs_restored}", flush=True)
 
     def serve():
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

@@ -162,3 +162,29 @@ def test_programs_from_the_jax_compile_cache_are_not_stored(tmp_path):
     assert not list(ec.glob("*.jxe"))  # nothing stored from compile-cache loads
     res, _ = _run(ec, compile_cache=cc)
     assert (res["loaded"], res["restored"]) == (3, 0) and res["tokens"] == first["tokens"]
+
+
+def test_the_size_cap_evicts_the_least_recently_used_entries(tmp_path):
+    import os
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.executable_cache import ExecutableCache
+
+    compiled = jax.jit(lambda x: jnp.cos(x) + 1).lower(jnp.zeros(8)).compile()
+    probe = ExecutableCache(tmp_path / "probe", max_bytes=None)
+    assert probe.store({"family": "p", "size": 0}, compiled)
+    one = probe.path({"family": "p", "size": 0}).stat().st_size
+    cache = ExecutableCache(tmp_path / "c", max_bytes=int(2.5 * one))  # room for two entries
+    keys = [{"family": "p", "size": i} for i in range(3)]
+    for i, k in enumerate(keys[:2]):
+        assert cache.store(k, compiled)
+        os.utime(cache.path(k), (1000 + i, 1000 + i))  # k0 older than k1
+    assert cache.load(keys[0]) is not None  # k0 used again: now k1 is the oldest
+    assert cache.store(keys[2], compiled)
+    assert [cache.path(k).exists() for k in keys] == [True, False, True]
+    assert cache.evict() == 0  # within the cap: nothing more goes
+    tiny = ExecutableCache(tmp_path / "c", max_bytes=1)  # below one entry: only the new one stays
+    assert tiny.store(keys[1], compiled)
+    assert [p.name for p in (tmp_path / "c").glob("*.jxe")] == [cache.path(keys[1]).name]
