@@ -52,7 +52,7 @@ from jaxserve.executable_cache import ExecutableCache, program_key_parts
 from jaxserve.layer_stack import LayerStackProgram, embed_fn, final_fn, layers_fn
 from jaxserve.model.attention import AttentionBackend, CommonAttentionMetadata, get_attention_backend
 from jaxserve.model.llama import compute_logits, paged_attn, prepare_params, run_layers
-from jaxserve.parallel import TensorParallel
+from jaxserve.parallel import OwnedHostParams, TensorParallel
 from jaxserve.request import Request
 from jaxserve.runner import RowError, RowResult, RunnerStats, SampledToken
 from jaxserve.scoring import merge_scores, scoring_plan, split_scores
@@ -227,7 +227,9 @@ class ModelRunner:
 
     Args:
       config: the engine config (model, cache, scheduler limits, backend).
-      params: the canonical parameter tree (see `jaxserve.model.llama`), any array type.
+      params: the canonical parameter tree (see `jaxserve.model.llama`), any array type;
+        always copied, except a `jaxserve.parallel.OwnedHostParams` tree on one CPU
+        device, whose aligned NumPy leaves become the device buffers.
       bucket_policy: the (T_pad, S_pad) shapes this runner may be asked for.
       strict_compiles: raise instead of compiling when a step after warm-up
         needs a program warm-up did not build (None: `config.strict_compiles`).
@@ -269,8 +271,10 @@ class ModelRunner:
         self.backend = self.tp.shard_attention(get_attention_backend(
             config.attention_backend, self.model_cfg, block_size=self.block_size,
             interpret=config.attention_interpret))
-        self.params = prepare_params(self.cfg, params, unroll_layers=config.unroll_layers,
-                                     place=self.tp.place_params)
+        owned = isinstance(params, OwnedHostParams)  # the caller gave the tree away
+        self.params = prepare_params(
+            self.cfg, params.tree if owned else params, unroll_layers=config.unroll_layers,
+            place=functools.partial(self.tp.place_params, alias_host=owned))
         # Layer-group programs (`jaxserve.layer_stack`) with unrolled layers; the scan keeps
         # the one-program stack over the stacked [L, ...] weights and cache.
         self.group = config.layers_per_program if config.unroll_layers else None

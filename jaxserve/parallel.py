@@ -238,12 +238,16 @@ class TensorParallel:
         return None if self.mesh is None else NamedSharding(self.mesh, KV_LAYER_SPEC)
 
     # ---------------------------------------------------------------- placement
-    def place_params(self, tree: dict) -> dict:
+    def place_params(self, tree: dict, *, alias_host: bool = False) -> dict:
         """Engine-layout leaves (cast, unstacked or not; NumPy or jax) -> device arrays.
 
         KV heads are repeated for TP > K first. Each NumPy leaf is placed shard by
         shard (`jax.make_array_from_callback`): a device receives only its slice, never
-        a full replica of a sharded tensor. Without a mesh: one `jax.device_put`.
+        a full replica of a sharded tensor. Without a mesh: `jax.device_put`. On CPU it
+        uses a 64-byte-aligned NumPy buffer in place rather than copying it, so with
+        `alias_host` (an `OwnedHostParams` tree, the engine's alone) the aligned leaves
+        become the device buffers; otherwise each NumPy leaf is first copied into a
+        private buffer, so the engine never shares memory with its caller's arrays.
         """
         if self.replicas > 1:
             layers = tree["layers"]
@@ -251,7 +255,10 @@ class TensorParallel:
             tree = dict(tree, layers=[expand(lp) for lp in layers]
                         if isinstance(layers, (list, tuple)) else expand(layers))
         if self.mesh is None:
-            return jax.device_put(tree)
+            if alias_host:
+                return jax.device_put(tree)
+            return jax.tree.map(lambda x: jax.device_put(
+                np.array(x, copy=True) if isinstance(x, np.ndarray) else x), tree)
         placed = jax.tree.map(lambda x, spec: self.put(x, self.sharding(spec)), tree,
                               param_specs(tree, vocab_parallel=self.vocab_parallel))
         check_no_full_replicas(placed)
@@ -302,6 +309,50 @@ class TensorParallel:
                 f"device" + (f", each of the {K} KV heads on {self.replicas} devices"
                              if self.replicas > 1 else "")
                 + ("; vocab-parallel embed/lm_head" if self.vocab_parallel else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnedHostParams:
+    """A host (NumPy) parameter tree handed over to the engine for good.
+
+    On one CPU device the runner then uses its 64-byte-aligned leaves as the device
+    buffers (`jax.device_put` on CPU does not copy those) instead of copying them: no
+    transient second copy of the weights (~513 MiB on SmolLM2 fp32) and no copy
+    time. The params cache's memory-mapped `.npy` leaves are aligned already. The caller must neither keep nor mutate the tree afterwards; research code
+    that passes its own arrays passes them bare and gets a copy, as before.
+    `jaxserve.cli.build_engine` wraps the tree `load_model` returned (after
+    `align_host_leaves`).
+    """
+
+    tree: Any
+
+
+ALIGN = 64  # bytes: XLA:CPU's minimum alignment for a buffer it does not own
+
+
+def align_host_leaves(tree: Any, align: int = ALIGN) -> Any:
+    """The same nested-dict tree with every NumPy leaf at an `align`-byte address, so
+    that `jax.device_put` on CPU can use it (and each [L, ...] leaf's per-layer
+    slices, when their size is a multiple of `align`) in place. Only misaligned leaves are
+    copied, one at a time: the tree's dicts are emptied as it goes, so the old leaf is
+    freed before the next copy (peak: one leaf). Non-NumPy leaves are kept as they are.
+    """
+    if not isinstance(tree, dict):
+        return _aligned(tree, align)
+    out = {}
+    for k in list(tree):
+        out[k] = align_host_leaves(tree.pop(k), align)
+    return out
+
+
+def _aligned(x: Any, align: int) -> Any:
+    if not isinstance(x, np.ndarray) or (x.ctypes.data % align == 0 and x.flags.c_contiguous):
+        return x
+    buf = np.empty(x.nbytes + align, np.uint8)
+    off = (-buf.ctypes.data) % align
+    y = buf[off:off + x.nbytes].view(x.dtype).reshape(x.shape)
+    y[...] = x
+    return y
 
 
 def check_no_full_replicas(tree: Any) -> None:

@@ -72,6 +72,9 @@ def main() -> None:
     ap.add_argument("--compile_cache_dir", default="checkpoints/jax_compile_cache")
     ap.add_argument("--executable_cache_dir", default="checkpoints/executable_cache",
                     help="as `jaxserve serve` ('' off): a second run restores every program")
+    ap.add_argument("--copy_params", action="store_true",
+                    help="pass the params bare (the engine copies them) instead of as "
+                         "OwnedHostParams (used in place on CPU), for an A/B")
     ap.add_argument("--per_program", action="store_true",
                     help="warm up one program at a time: each program's own peak and RSS")
     ap.add_argument("--keep_host_params", action="store_true",
@@ -107,9 +110,13 @@ def main() -> None:
     holder = {"params": params}
     keep = params if args.keep_host_params else None
     del params
+    def owned():  # as cli.build_engine: the engine may use the host leaves in place
+        from jaxserve.parallel import OwnedHostParams, align_host_leaves
+
+        return OwnedHostParams(align_host_leaves(holder.pop("params")))
     engine = phase("LLMEngine(warmup=False): params+KV",
-                   lambda: LLMEngine(config, holder.pop("params"), tok, model_name="m",
-                                     warmup=False, progress=False))
+                   lambda: LLMEngine(config, holder.pop("params") if args.copy_params else owned(),
+                                     tok, model_name="m", warmup=False, progress=False))
     if not args.keep_host_params:
         phase("release_host_memory", release_host_memory)
     if args.per_program:  # the same programs warm-up builds, one phase each

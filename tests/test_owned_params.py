@@ -1,0 +1,85 @@
+"""Zero-copy params on CPU (`jaxserve.parallel.OwnedHostParams`): the host tree handed
+over by the CLI becomes the device buffers; a tree passed bare is always copied."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from conftest import tiny_params
+from jaxserve.parallel import ALIGN, OwnedHostParams, align_host_leaves
+
+
+def _misaligned(a: np.ndarray) -> np.ndarray:
+    buf = np.empty(a.nbytes + ALIGN + 4, np.uint8)
+    off = (-buf.ctypes.data) % ALIGN + 4  # 4 bytes past an aligned address
+    out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def test_align_host_leaves_copies_only_misaligned_leaves_and_empties_the_input():
+    rng = np.random.default_rng(0)
+    good = align_host_leaves({"x": rng.standard_normal((8, 16)).astype(np.float32)})["x"]
+    bad = _misaligned(rng.standard_normal((3, 5)).astype(np.float32))
+    assert good.ctypes.data % ALIGN == 0 and bad.ctypes.data % ALIGN == 4
+    tree = {"a": good, "n": {"b": bad}, "s": 3}
+    want_b = bad.copy()
+    out = align_host_leaves(tree)
+    assert tree == {}  # each old leaf was released as soon as its copy existed
+    assert out["a"] is good  # aligned already: not copied
+    assert out["n"]["b"].ctypes.data % ALIGN == 0
+    np.testing.assert_array_equal(out["n"]["b"], want_b)
+    assert out["s"] == 3
+
+
+def test_device_put_on_cpu_uses_an_aligned_host_buffer_in_place():
+    # The jax behaviour OwnedHostParams relies on (and that a bare tree is protected from).
+    a = align_host_leaves({"a": np.arange(64, dtype=np.float32).reshape(4, 16)})["a"]
+    d = jax.device_put(a)
+    assert d.unsafe_buffer_pointer() == a.ctypes.data
+    m = _misaligned(a)
+    assert jax.device_put(m).unsafe_buffer_pointer() != m.ctypes.data  # misaligned: a copy
+
+
+def _engine(params):
+    from jaxserve.engine import LLMEngine, make_engine_config
+
+    cfg, _ = tiny_params()
+    config = make_engine_config(cfg, max_model_len=64, block_size=4, num_kv_blocks=32,
+                                max_num_seqs=2, max_num_batched_tokens=8, token_buckets=(8,),
+                                seq_buckets=(2,), attention_backend="xla", strict_compiles=True,
+                                enable_prompt_logprobs=False)
+    return LLMEngine(config, params, progress=False)
+
+
+def _greedy(engine, prompt):
+    from jaxserve.sampling_params import SamplingParams
+
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return list(out.outputs[0].token_ids)
+
+
+def test_an_owned_tree_is_used_in_place_and_a_bare_tree_is_copied():
+    fresh = lambda: jax.tree.map(np.copy, tiny_params()[1])  # noqa: E731 (it is lru_cached)
+    host = fresh()
+    copied = _engine(host)
+    owned_tree = align_host_leaves(fresh())
+    wq = owned_tree["layers"]["wq"]  # [L, E, H*D]: each layer's slice is 64-byte aligned
+    owned = _engine(OwnedHostParams(owned_tree))
+    prompt = [5, 9, 13, 21, 34, 7]
+    want = _greedy(copied, prompt)
+    assert _greedy(owned, prompt) == want
+    # The owned engine's per-layer weights are the host slices themselves ...
+    assert owned.runner.params["layers"][1]["wq"].unsafe_buffer_pointer() == wq[1].ctypes.data
+    # ... the bare tree's are private copies, even of aligned leaves: the caller's arrays
+    # can change without changing the engine
+    host = align_host_leaves(host)
+    copied = _engine(host)
+    assert copied.runner.params["embed"].unsafe_buffer_pointer() != host["embed"].ctypes.data
+    host["embed"][...] = 0.0
+    host["lm_head"][...] = 0.0
+    assert _greedy(copied, prompt) == want
