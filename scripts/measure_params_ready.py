@@ -8,7 +8,8 @@ converts the GGUF), JAX compile cache `DIR/cc` and executable cache `DIR/ec`,
 timestamps every output line as it arrives, and kills the process at the
 runner's "KV cache:" log line, which the runner logs right after the params are
 on the device ("params ready"; what comes after it, the warm-up, is not this
-script's business). Prints one JSON line per run: params_ready_s, the
+script's business). Prints one JSON line per run: params_ready_s, the child's RSS
+then (`rss_mib`: VmRSS, VmHWM = peak, RssAnon, RssFile), the
 converted/restored line, the seconds of the first line of each phase, the
 `uptime` before and after, and the command. With --importtime the child runs
 under `python -X importtime` and the 15 slowest top-level imports are listed.
@@ -28,6 +29,17 @@ import time
 
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def _rss(pid: int) -> dict:
+    """VmRSS / VmHWM / RssAnon / RssFile of `pid` in MiB (at params ready: the KV cache is
+    allocated, no program is loaded yet)."""
+    out = {}
+    for ln in open(f"/proc/{pid}/status"):
+        k = ln.split(":")[0]
+        if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            out[k] = int(ln.split()[1]) // 1024
+    return out
 
 
 def run_once(a: argparse.Namespace, extra: list[str]) -> dict:
@@ -64,6 +76,7 @@ def run_once(a: argparse.Namespace, extra: list[str]) -> dict:
                 res["params_line_s"] = round(t, 3)
             if "KV cache:" in line:
                 res["params_ready_s"] = round(t, 3)
+                res["rss_mib"] = _rss(proc.pid)
                 break
             if t > a.timeout:
                 break
