@@ -47,11 +47,30 @@ GGUF_ARCHS: dict[str, tuple[dict[str, bool], bool]] = {
 }
 
 
+class _Reader(gguf.GGUFReader):
+    """`gguf.GGUFReader` over a plain ndarray view of its memory map.
+
+    GGUFReader slices its `np.memmap` once per metadata value and per tensor; each
+    slice of a memmap is a memmap whose `__array_finalize__` runs Python code, which
+    made SmolLM2's 49k-token vocabulary + 48k merges cost ~3 s of the ~4 s parse
+    (py-spy, notes/params_startup.md). The view shares the mapping (its `.base`
+    keeps it open); every value read is the same.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray)
+
+
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
     """Open a GGUF file, turning any parse failure into a CheckpointError naming the file."""
     p = Path(path)
     try:
-        reader = gguf.GGUFReader(p)
+        reader = _Reader(p)
     except Exception as e:  # GGUFReader raises ValueError/KeyError/IndexError on bad bytes
         raise CheckpointError(f"{p}: not a readable GGUF file (corrupt or truncated?): "
                               f"{type(e).__name__}: {e}") from e
@@ -181,7 +200,7 @@ def load_gguf_params(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, *,
             a = unpermute_qk(a, cfg.num_attention_heads)
         elif permuted and leaf == "wk":
             a = unpermute_qk(a, cfg.num_key_value_heads)
-        return a if a.ndim == 1 else np.ascontiguousarray(a.T)  # [out, in] -> [in, out]
+        return a if a.ndim == 1 else a.T  # [out, in] -> [in, out]: stack_layers copies the view
 
     try:
         params = {"embed": take(GGUF_TOP_NAMES["embed"]), "layers": stack_layers(cfg, layer, path),
