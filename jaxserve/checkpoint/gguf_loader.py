@@ -149,6 +149,9 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], path: Path,
         raise CheckpointError(f"{path}: invalid model metadata: {e}") from e
 
 
+_WHOLE_TENSOR_BYTES = 32 << 20  # float32 output size up to which a tensor is decoded in one call
+
+
 def dequantize_tensor(t: Any, path: Path) -> np.ndarray:
     """One GGUF tensor -> float32 NumPy array in NumPy order (ggml ne reversed).
 
@@ -165,7 +168,14 @@ def dequantize_tensor(t: Any, path: Path) -> np.ndarray:
         a = np.asarray(t.data, dtype=np.float32)
     elif qtype == Q.F16:
         a = np.asarray(t.data, dtype=np.float16).astype(np.float32)
-    else:
+    elif int(np.prod(shape)) * 4 <= _WHOLE_TENSOR_BYTES:
+        # gguf's `dequantize` runs the block decoder over groups of 16 rows, ~0.05 ms of
+        # Python per group; one call over a layer's whole tensor halves SmolLM2's
+        # dequantization (1.2-1.6 -> 0.7 s). Same elementwise decoder: same bits.
+        quant = getattr(gguf.quants, qtype.name)
+        quant.init_grid()
+        a = quant.dequantize_rows(t.data)
+    else:  # the embedding / LM head: grouped rows keep the temporaries small
         a = gguf.quants.dequantize(t.data, qtype)
     return np.asarray(a, dtype=np.float32).reshape(shape)
 
