@@ -216,25 +216,32 @@ def _remove_stale_tmp(entry: Path) -> None:
 def save(entry: Path, cfg: ModelConfig, params: dict, tok: Tokenizer) -> None:
     """Write an entry atomically (temp dir + rename); keep an entry another process wrote.
 
-    One `np.save` per leaf, then meta.json, then the rename. Fault points
+    One `np.save` per leaf, then meta.json, then the rename. Never raises for the
+    file system (a full disk, a read-only cache dir): it logs a warning and leaves
+    no temporary, and the caller goes on with its converted tree. Fault points
     (jaxserve.faults): params_cache_write after the leaves, params_cache_rename
     before the rename.
     """
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(entry)
     tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    leaves = {}
-    for name, a in _flatten(params).items():
-        a = np.ascontiguousarray(a)
-        np.save(tmp / f"{name}.npy", a, allow_pickle=False)
-        leaves[name] = [a.dtype.name, list(a.shape)]
-    faults.crash_point("params_cache_write")
-    meta = {"format": FORMAT, "config": dataclasses.asdict(cfg), "tokenizer": tok.to_state(),
-            "leaves": leaves}
-    (tmp / "meta.json").write_text(json.dumps(meta))
-    faults.crash_point("params_cache_rename")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(entry)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        leaves = {}
+        for name, a in _flatten(params).items():
+            a = np.ascontiguousarray(a)
+            np.save(tmp / f"{name}.npy", a, allow_pickle=False)
+            leaves[name] = [a.dtype.name, list(a.shape)]
+        faults.crash_point("params_cache_write")
+        meta = {"format": FORMAT, "config": dataclasses.asdict(cfg), "tokenizer": tok.to_state(),
+                "leaves": leaves}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        faults.crash_point("params_cache_rename")
+    except OSError as e:  # a full disk or a read-only cache dir costs the next start a conversion
+        log.warning("could not write params cache entry %s: %s", entry, e)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     try:
         os.rename(tmp, entry)
     except OSError:  # another process won the race: its entry is as good as ours

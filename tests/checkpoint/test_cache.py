@@ -196,6 +196,24 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
     _same(load_model(TINY_GGUF_F32, cache_dir=None, progress=False)[1], hit[1])
 
 
+def test_failed_write_is_a_warning_not_a_crash(tmp_path, monkeypatch, caplog):
+    """A full disk while saving: load_model still returns the converted tree, the warning
+    names the entry, and no temporary or entry is left (the next load converts again)."""
+    import errno
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    c = tmp_path / "c"
+    monkeypatch.setattr(cache.np, "save", full)
+    with caplog.at_level("WARNING", logger="jaxserve.checkpoint.cache"):
+        _, got, _ = load_model(TINY_GGUF_F32, cache_dir=c, progress=False)
+    _same(load_model(TINY_GGUF_F32, cache_dir=None, progress=False)[1], got)
+    assert any("could not write params cache entry" in r.message and "No space" in r.message
+               for r in caplog.records)
+    assert [e.name for e in c.iterdir()] == ["hashes.json"]
+
+
 def test_no_cache_dir_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(cache, "save", _boom)
     load_model(TINY_GGUF_F32, cache_dir=None, progress=False)
