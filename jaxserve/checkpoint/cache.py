@@ -183,6 +183,9 @@ def restore(entry: Path) -> tuple[ModelConfig, dict, Tokenizer] | None:
             raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
         cfg = _config_from_dict(meta["config"])
         tok = Tokenizer.from_state(meta["tokenizer"])
+        bad = [n for n in meta["leaves"] if "/" in n or "\\" in n or n.startswith(".")]
+        if bad:
+            raise ValueError(f"meta.json names leaves outside the entry: {bad[:3]}")
         flat = {name: _map_leaf(entry / f"{name}.npy", dt, shape)
                 for name, (dt, shape) in meta["leaves"].items()}
         params = _unflatten(flat)

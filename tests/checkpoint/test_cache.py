@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,7 +109,7 @@ def _meta_edit(entry, fn):
 @pytest.mark.parametrize("damage", [
     "truncate_leaf", "pad_leaf", "empty_leaf", "garbage_leaf", "missing_leaf", "pickled_leaf",
     "wrong_leaf_shape", "wrong_leaf_dtype", "meta_shape", "meta_missing", "meta_truncated",
-    "old_format"])
+    "old_format", "meta_leaf_outside"])
 def test_corrupt_entry_is_rebuilt_not_crashed(tmp_path, damage, caplog):
     """Each way an entry can be damaged: the load logs it, deletes the entry, reconverts
     (the same tree as the first load) and writes a good entry, which the next load hits."""
@@ -140,6 +141,10 @@ def test_corrupt_entry_is_rebuilt_not_crashed(tmp_path, damage, caplog):
         (entry / "meta.json").write_bytes((entry / "meta.json").read_bytes()[:100])
     elif damage == "old_format":
         _meta_edit(entry, lambda m: m.pop("format"))
+    elif damage == "meta_leaf_outside":  # a leaf path that would leave the entry dir
+        np.save(tmp_path / "outside.npy", np.load(leaf))
+        _meta_edit(entry, lambda m: m["leaves"].__setitem__(
+            "../../outside", m["leaves"].pop("layers.wq")))
     monkeypatch_calls = []
     real_save = cache.save
 
@@ -162,6 +167,18 @@ def test_corrupt_entry_is_rebuilt_not_crashed(tmp_path, damage, caplog):
     hit = cache.restore(entry)
     assert hit is not None
     _same(want, hit[1])
+
+
+def test_meta_naming_a_file_outside_the_entry_is_never_read(tmp_path, monkeypatch):
+    c, entry, _ = _entry_and_reference(tmp_path)
+    np.save(tmp_path / "outside.npy", np.zeros(3, np.float32))
+    _meta_edit(entry, lambda m: m["leaves"].__setitem__("../../outside", ["float32", [3]]))
+    opened = []
+    real = cache.np.load
+    monkeypatch.setattr(cache.np, "load", lambda p, *a, **k: opened.append(p) or real(p, *a, **k))
+    assert cache.restore(entry) is None
+    assert not entry.exists()
+    assert all(Path(p).resolve().parent == entry for p in opened), opened
 
 
 def test_entry_of_the_older_orbax_layout_is_left_alone(tmp_path):
