@@ -7,7 +7,7 @@ no atexit and no flush: whatever is half-written stays half-written, which is
 exactly what the next start must survive.
 
 Points:
-  params_cache_write   inside `checkpoint.cache.save`, after the orbax params
+  params_cache_write   inside `checkpoint.cache.save`, after the .npy leaves
                        are written to the temporary entry, before meta.json.
   params_cache_rename  inside `checkpoint.cache.save`, with the temporary entry
                        complete, just before it is renamed into place.

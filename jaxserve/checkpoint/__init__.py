@@ -1,4 +1,4 @@
-"""Checkpoint loading: HF safetensors dirs, llama.cpp GGUF files, an orbax params cache,
+"""Checkpoint loading: HF safetensors dirs, llama.cpp GGUF files, a memory-mapped params cache,
 the tokenizer wrapper and the default model (SmolLM2-135M-Instruct Q4_1).
 
 Public API:

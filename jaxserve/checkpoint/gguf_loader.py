@@ -47,11 +47,30 @@ GGUF_ARCHS: dict[str, tuple[dict[str, bool], bool]] = {
 }
 
 
+class _Reader(gguf.GGUFReader):
+    """`gguf.GGUFReader` over a plain ndarray view of its memory map.
+
+    GGUFReader slices its `np.memmap` once per metadata value and per tensor; each
+    slice of a memmap is a memmap whose `__array_finalize__` runs Python code, which
+    made SmolLM2's 49k-token vocabulary + 48k merges cost ~3 s of the ~4 s parse
+    (py-spy, notes/params_startup.md). The view shares the mapping (its `.base`
+    keeps it open); every value read is the same.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray)
+
+
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
     """Open a GGUF file, turning any parse failure into a CheckpointError naming the file."""
     p = Path(path)
     try:
-        reader = gguf.GGUFReader(p)
+        reader = _Reader(p)
     except Exception as e:  # GGUFReader raises ValueError/KeyError/IndexError on bad bytes
         raise CheckpointError(f"{p}: not a readable GGUF file (corrupt or truncated?): "
                               f"{type(e).__name__}: {e}") from e
@@ -130,6 +149,9 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], path: Path,
         raise CheckpointError(f"{path}: invalid model metadata: {e}") from e
 
 
+_WHOLE_TENSOR_BYTES = 32 << 20  # float32 output size up to which a tensor is decoded in one call
+
+
 def dequantize_tensor(t: Any, path: Path) -> np.ndarray:
     """One GGUF tensor -> float32 NumPy array in NumPy order (ggml ne reversed).
 
@@ -146,7 +168,14 @@ def dequantize_tensor(t: Any, path: Path) -> np.ndarray:
         a = np.asarray(t.data, dtype=np.float32)
     elif qtype == Q.F16:
         a = np.asarray(t.data, dtype=np.float16).astype(np.float32)
-    else:
+    elif int(np.prod(shape)) * 4 <= _WHOLE_TENSOR_BYTES:
+        # gguf's `dequantize` runs the block decoder over groups of 16 rows, ~0.05 ms of
+        # Python per group; one call over a layer's whole tensor halves SmolLM2's
+        # dequantization (1.2-1.6 -> 0.7 s). Same elementwise decoder: same bits.
+        quant = getattr(gguf.quants, qtype.name)
+        quant.init_grid()
+        a = quant.dequantize_rows(t.data)
+    else:  # the embedding / LM head: grouped rows keep the temporaries small
         a = gguf.quants.dequantize(t.data, qtype)
     return np.asarray(a, dtype=np.float32).reshape(shape)
 
@@ -181,7 +210,7 @@ def load_gguf_params(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, *,
             a = unpermute_qk(a, cfg.num_attention_heads)
         elif permuted and leaf == "wk":
             a = unpermute_qk(a, cfg.num_key_value_heads)
-        return a if a.ndim == 1 else np.ascontiguousarray(a.T)  # [out, in] -> [in, out]
+        return a if a.ndim == 1 else a.T  # [out, in] -> [in, out]: stack_layers copies the view
 
     try:
         params = {"embed": take(GGUF_TOP_NAMES["embed"]), "layers": stack_layers(cfg, layer, path),

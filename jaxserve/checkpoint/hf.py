@@ -173,7 +173,7 @@ def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source:
 
     def layer(i: int, leaf: str) -> np.ndarray:
         a = take(hf_name(leaf, i))
-        return np.ascontiguousarray(a.T) if leaf in MATRIX_LEAVES else a
+        return a.T if leaf in MATRIX_LEAVES else a  # stack_layers copies the view
 
     params = {"embed": take(hf_name("embed")), "layers": stack_layers(cfg, layer, source),
               "final_norm": take(hf_name("final_norm"))}

@@ -82,7 +82,8 @@ def stack_layers(cfg: ModelConfig, get: Callable[[int, str], np.ndarray], source
 
     Args:
       get: (layer index, leaf name) -> that layer's array, already in tree layout
-        ([in, out] for matrices, [E] for norms).
+        ([in, out] for matrices, [E] for norms); a view (e.g. a transpose) is fine:
+        each layer is copied once, into its slot of the preallocated [L, ...] leaf.
       source: file or directory named in errors.
     Raises:
       CheckpointError: a layer's array has the wrong shape.
@@ -90,15 +91,20 @@ def stack_layers(cfg: ModelConfig, get: Callable[[int, str], np.ndarray], source
     want = param_shapes(cfg)["layers"]
     out = {}
     for name in want:
-        per_layer = []
+        stacked = None
         for i in range(cfg.num_hidden_layers):
             a = get(i, name)
             if a.shape != want[name][1:]:
                 raise CheckpointError(
                     f"{source}: layer {i} '{name}' has shape {a.shape}, expected {want[name][1:]} "
                     f"for the config read from the checkpoint")
-            per_layer.append(a)
-        out[name] = np.stack(per_layer)
+            if stacked is None:  # filled in place: one copy per layer, not np.stack's second
+                stacked = np.empty(want[name], np.result_type(a))
+            elif np.result_type(a) != stacked.dtype:
+                raise CheckpointError(f"{source}: layer {i} '{name}' is {np.result_type(a)}, "
+                                      f"layer 0 is {stacked.dtype}")
+            stacked[i] = a
+        out[name] = stacked
     return out
 
 

@@ -74,9 +74,10 @@ def load_model(path: str | Path | None = None, *, dtype: str = "float32",
 
     Params are the jaxserve tree of host NumPy arrays (see `jaxserve.checkpoint.layout`),
     dequantized to float32 and then cast to `dtype` (bfloat16 via ml_dtypes); the
-    caller device_puts them. The result is cached with orbax under
-    `cache_dir/<sha256(source)[:16]>-<dtype>/`; a later load of the same content
-    restores it instead of parsing and converting again. `cache_dir=None` disables it.
+    caller device_puts them. The result is cached (one .npy per leaf, see
+    `jaxserve.checkpoint.cache`) under `cache_dir/<sha256(source)[:16]>-<dtype>-npy1/`;
+    a later load of the same content memory-maps it (copy-on-write) instead of
+    parsing and converting again. `cache_dir=None` disables it.
 
     Args:
       path: .gguf file or HF dir; None = the default model.

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.attention.common import AttentionBackend, MdT
@@ -114,6 +114,9 @@ def cast_params(params: Mapping[str, object], dtype: str) -> dict:
 
 def canonical_params(params: "Llama | nnx.State | Mapping[str, object]") -> dict:
     """The canonical tree as nested dicts: of a `Llama` module (split once), its state, or a tree."""
+    nnx = sys.modules.get("flax.nnx")  # an NNX object implies flax.nnx is imported
+    if nnx is None:
+        return dict(params)
     if isinstance(params, nnx.Module):
         _, params = nnx.split(params)
     if isinstance(params, nnx.State):
@@ -385,29 +388,11 @@ def _jit_reference(cfg, params, ids, pos):
     return run_layers(cfg, params, ids, pos, dense_causal_attn(cfg), None)
 
 
-# ---------------------------------------------------------------- NNX module
-class Llama(nnx.Module):
-    """Llama decoder as an NNX module: its state is the canonical parameter tree.
+def __getattr__(name: str):
+    """`Llama` (the NNX module) lives in `jaxserve.model.llama_nnx`: importing flax costs
+    ~1 s of a start-up that only needs the pure functions above (notes/params_startup.md)."""
+    if name == "Llama":
+        from jaxserve.model.llama_nnx import Llama
 
-    `Llama(cfg, rngs=nnx.Rngs(0))` initialises random weights (normal, std
-    `init_std`, biases included; norms 1). The optional leaves of `param_shapes`
-    (biases, q/k norms) exist only when cfg switches them on. The engine takes the module, or `nnx.state(model)`,
-    through `prepare_params`, which splits it once (`nnx.split`) and hands the
-    state's leaves, in the engine layout, to the jitted step: the step runs the
-    pure functions above on those leaves (`forward_paged`).
-    """
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
-        dt = jnp.dtype(cfg.dtype)
-        shapes = param_shapes(cfg)
-
-        def init(shape, key_name):
-            if key_name.endswith("norm"):
-                return jnp.ones(shape, dt)
-            return (init_std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dt)
-
-        self.cfg = cfg
-        self.embed = nnx.Param(init(shapes["embed"], "embed"))
-        self.layers = nnx.Dict({k: nnx.Param(init(s, k)) for k, s in shapes["layers"].items()})
-        self.final_norm = nnx.Param(init(shapes["final_norm"], "final_norm"))
-        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(init(shapes["lm_head"], "lm_head"))
+        return Llama
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,9 +24,10 @@ import jax
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.attention.common import AttentionBackend
-from jaxserve.model.attention.pallas_mosaic import PallasMosaicBackend
-from jaxserve.model.attention.pallas_triton import PallasTritonBackend
 from jaxserve.model.attention.xla import XlaBackend
+
+# The Pallas backends are imported when chosen: jax.experimental.pallas (Mosaic GPU
+# included) costs ~0.5-0.7 s of a CPU start-up that runs the xla backend.
 
 BACKEND_NAMES = ("auto", "xla", "pallas", "pallas_mosaic", "pallas_triton")
 MOSAIC_CC = ((9, 0), (10, 0))  # [lo, hi): WGMMA is sm_90a only
@@ -124,5 +125,9 @@ def get_attention_backend(name: str, cfg: ModelConfig, *, block_size: int,
     kw = dict(block_size=block_size, num_queries_per_kv=cfg.num_queries_per_kv,
               head_dim=cfg.head_dim, interpret=interpret)
     if chosen == "pallas_mosaic":
+        from jaxserve.model.attention.pallas_mosaic import PallasMosaicBackend
+
         return PallasMosaicBackend(dtype=cfg.dtype, **kw)
+    from jaxserve.model.attention.pallas_triton import PallasTritonBackend
+
     return PallasTritonBackend(**kw)
