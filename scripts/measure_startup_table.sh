@@ -6,7 +6,8 @@
 #   scripts/measure_startup_table.sh [OUT_DIR]      # default /tmp/jaxserve_startup
 #
 # Serve rows come from scripts/measure_startup.py (one JSON line each: healthy, first
-# token, params ready, all programs ready, uptime before/after). Generate rows are
+# token, params ready, all programs ready, uptime before/after; also appended to
+# OUT/serve.jsonl). Generate rows are
 # wall seconds from the command to its printed summary. Run it on a quiet machine:
 # the load is printed with every row.
 set -euo pipefail
@@ -34,7 +35,7 @@ gen cached "$OUT/gen"
 for flags in "" "--max_num_seqs=16"; do
     name=d${flags##*=}
     "$PY" scripts/measure_startup.py --label "serve_${name}_cold" --dir "$OUT/$name" --cold \
-        ${flags:+-- $flags}
+        ${flags:+-- $flags} | tee -a "$OUT/serve.jsonl"
     "$PY" scripts/measure_startup.py --label "serve_${name}_cached" --dir "$OUT/$name" \
-        ${flags:+-- $flags}
+        ${flags:+-- $flags} | tee -a "$OUT/serve.jsonl"
 done
