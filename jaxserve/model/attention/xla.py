@@ -26,6 +26,7 @@ from jax import lax
 from jaxserve.model.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
                                              num_query_tiles, query_tiles, real_q_lens,
                                              stacked_cache)
+from jaxserve.model.attention import native_cpu
 from jaxserve.model.online_softmax import init_state, merge_into, normalize, online_softmax_step
 
 
@@ -77,10 +78,13 @@ class XlaBackend:
       decode_mulsum: (decode_impl="split_kv" only) products as multiply + sum.
       decode_max_items: at most this many split-KV items per loop iteration.
       prefill_chunk: keys per inner step of a prefill tile.
-      decode_impl: "online" (default: each loop iteration folds its items into per-row
-        states, `_decode_online`) or "split_kv" (the previous path: per-item buffers
-        sized S x max_blocks_per_seq, merged after the loop; kept for same-process A/B
-        in scripts/profile_step.py).
+      decode_impl: "native" (default: the XLA:CPU FFI kernel of `native_cpu`, which
+        reads each slot's pages in place on both cores; used when tracing for CPU with
+        f32 caches and the kernel builds, else "online"), "online" (each loop iteration
+        folds its items into per-row states, `_decode_online`) or "split_kv" (the
+        older path: per-item buffers sized S x max_blocks_per_seq, merged after the
+        loop). The last two stay for same-process A/B in scripts/profile_step.py.
+      native_chunk_pages: pages per (slot, chunk) task of the native kernel.
       decode_product: "blockdiag" | "heads" | "mulsum", the online path's products
         (`_decode_products`). Measured in notes/perf.md (2026-12-01, helper "perf").
     """
@@ -91,17 +95,20 @@ class XlaBackend:
     decode_mulsum: bool = True
     decode_max_items: int = 8
     prefill_chunk: int = 256
-    decode_impl: str = "online"
+    decode_impl: str = "native"
+    native_chunk_pages: int = 16
     decode_product: str = "blockdiag"
     name: str = "xla"
 
     def __post_init__(self):
-        if self.decode_impl not in ("online", "split_kv"):
-            raise ValueError(f"decode_impl={self.decode_impl!r} must be 'online' or 'split_kv'")
+        if self.decode_impl not in ("native", "online", "split_kv"):
+            raise ValueError(f"decode_impl={self.decode_impl!r} must be 'native', 'online' "
+                             f"or 'split_kv'")
         if self.decode_product not in ("blockdiag", "heads", "mulsum"):
             raise ValueError(f"decode_product={self.decode_product!r} must be 'blockdiag', "
                              f"'heads' or 'mulsum'")
-        for f in ("block_size", "block_q", "decode_chunk", "decode_max_items", "prefill_chunk"):
+        for f in ("block_size", "block_q", "decode_chunk", "decode_max_items", "prefill_chunk",
+                  "native_chunk_pages"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be > 0")
 
@@ -324,6 +331,12 @@ def _decode_online(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, ma
     return normalize(acc[:n], l_sum[:n])
 
 
+def _use_native(kc, vc) -> bool:
+    """Whether the native kernel can serve this trace: CPU, f32 caches, and it builds."""
+    return (jax.default_backend() == "cpu" and kc.dtype == jnp.float32
+            and vc.dtype == jnp.float32 and native_cpu.available())
+
+
 def _pad_pages(block_table, chunk_pages):
     return jnp.pad(block_table, ((0, 0), (0, -block_table.shape[1] % chunk_pages)))
 
@@ -341,7 +354,10 @@ def _xla_attention(be: XlaBackend, q, kc, vc, layer, md: XlaMetadata, sm_scale: 
     # Decode rows: one query per sequence slot, all slots batched.
     dcp = max(1, be.decode_chunk // bs)
     dq = qg[md.decode_token_idx]  # [S, K, G, D]
-    if be.decode_impl == "online":
+    if be.decode_impl == "native" and _use_native(kc, vc):
+        o_dec = native_cpu.paged_decode(dq, md.decode_kv_len, md.block_table, kc, vc, layer,
+                                        sm_scale=sm_scale, chunk_pages=be.native_chunk_pages)
+    elif be.decode_impl in ("native", "online"):
         o_dec = _decode_online(dq, md.decode_kv_len, _pad_pages(md.block_table, dcp), kc, vc,
                                layer, sm_scale=sm_scale, chunk_pages=dcp,
                                max_items=be.decode_max_items, product=be.decode_product)
