@@ -111,6 +111,10 @@ class XlaBackend:
                   "native_chunk_pages"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be > 0")
+        if self.decode_impl == "native" and jax.default_backend() == "cpu":
+            # Build and register the FFI target now, before any program that calls it is
+            # loaded from the executable cache (a cache hit traces nothing).
+            native_cpu.available()
 
     def prepare(self, common: CommonAttentionMetadata) -> XlaMetadata:
         """Validate the step and tile its prefill rows (host, vectorized NumPy).

@@ -259,10 +259,6 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([w]() { w->Drain(); });
   }
-  if (std::getenv("JAXSERVE_NATIVE_DEBUG")) {
-    std::fprintf(stderr, "paged_decode: %ld tasks, pool threads %ld\n", (long)n_tasks,
-                 (long)pool.num_threads());
-  }
   w->Drain();
   while (w->done.load(std::memory_order_acquire) < n_tasks) std::this_thread::yield();
 
