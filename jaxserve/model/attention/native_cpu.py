@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 TARGET = "jaxserve_paged_decode_f32"
 _SRC = Path(__file__).with_name("native") / "paged_decode.cc"
-_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared",
+          "-fPIC")
 _lock = threading.Lock()
 _state: dict = {}
 
