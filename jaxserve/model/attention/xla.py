@@ -7,8 +7,9 @@ stays for other platforms, other dtypes, a missing C++ compiler, and A/B
 (notes/perf.md, helper "attn"). In the jnp path, decode rows (q_len = 1) are split
 into (sequence, KV chunk) work items walked W at a time; each iteration folds
 its items' softmax partials into per-row running states (split-KV,
-flash-decoding, Dao et al. 2023), so the cost follows the sum of the real context lengths: padded slots, short rows beside a
-long one and unused block-table columns cost nothing. Prefill rows run tile by tile
+flash-decoding, Dao et al. 2023), so the cost follows the sum of the real
+context lengths: padded slots, short rows beside a long one and unused
+block-table columns cost nothing. Prefill rows run tile by tile
 in a loop whose trip count is the number of tiles in use, each walking its
 pages in chunks with an online softmax (FlashAttention-2, Dao 2023) up to its
 own causal end. Both read the stacked cache [L, N, B, K, D] at a traced
