@@ -45,6 +45,7 @@ rows whose nucleus (or k) does not fit in the window. Each stage runs under a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -395,9 +396,31 @@ def _argmax_lowest(x: jax.Array) -> jax.Array:
     return jnp.minimum(ids, V - 1)  # a NaN row has no x == m; keep the id in range
 
 
+# Rows per block when `sample` walks a large S in blocks (`lax.map`): every pass over a
+# [32, 49152] f32 block (6 MB) stays in cache, where one pass over [64, V] (12.6 MB) did
+# not; S = 64 took 48-75 ms in one piece vs 7-13 ms at S = 32 (notes/perf.md, "attn").
+SAMPLE_ROW_BLOCK = 32
+
+
 def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
            top_window: int = DEFAULT_TOP_WINDOW,
            logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
+    """Sample one token per row; rows in blocks of SAMPLE_ROW_BLOCK when S is a larger
+    multiple of it (every step is per row, so the result is the same). See `_sample`."""
+    S = logits.shape[0] if logits.ndim == 2 else 0
+    blk = SAMPLE_ROW_BLOCK
+    if S <= blk or S % blk or md.temperature.shape != (S,):
+        return _sample(logits, md, max_logprobs=max_logprobs, top_window=top_window,
+                       logprobs_mode=logprobs_mode)
+    split = functools.partial(jax.tree.map, lambda x: x.reshape(S // blk, blk, *x.shape[1:]))
+    out = jax.lax.map(lambda a: _sample(*a, max_logprobs=max_logprobs, top_window=top_window,
+                                        logprobs_mode=logprobs_mode), split((logits, md)))
+    return jax.tree.map(lambda x: x.reshape(S, *x.shape[2:]), out)
+
+
+def _sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
+            top_window: int = DEFAULT_TOP_WINDOW,
+            logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
     """Sample one token per row (pure; call it inside the engine's jitted step).
 
     Args:
