@@ -396,10 +396,11 @@ def _argmax_lowest(x: jax.Array) -> jax.Array:
     return jnp.minimum(ids, V - 1)  # a NaN row has no x == m; keep the id in range
 
 
-# Rows per block when `sample` walks a large S in blocks (`lax.map`): every pass over a
-# [32, 49152] f32 block (6 MB) stays in cache, where one pass over [64, V] (12.6 MB) did
-# not; S = 64 took 48-75 ms in one piece vs 7-13 ms at S = 32 (notes/perf.md, "attn").
-SAMPLE_ROW_BLOCK = 32
+# Rows per block when `sample` walks a larger S in blocks (`lax.map`): each pass over an
+# [8, 49152] f32 block (1.6 MB) stays in cache, where one over [64, V] (12.6 MB) does not.
+# Same-process, median ms (notes/perf.md, helper "attn"): S=64 36.6 whole / 19.2 (16) /
+# 14.8 (8) / 15.4 (4); S=256 215 whole / 73 (8); S=16, 32 within noise.
+SAMPLE_ROW_BLOCK = 8
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
