@@ -80,12 +80,13 @@ _JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_dtype
 
 
 def _source_digest() -> str:
-    """sha256 over the `PROGRAM_SOURCES` files (path + content, sorted)."""
+    """sha256 over the `PROGRAM_SOURCES` files (*.py and *.cc; path + content, sorted)."""
     root = Path(__file__).resolve().parent
     files: list[Path] = []
     for rel in PROGRAM_SOURCES:
         p = root / rel
-        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+        # *.cc: the native CPU kernels a program calls (model/attention/native/)
+        files += sorted([*p.rglob("*.py"), *p.rglob("*.cc")]) if p.is_dir() else [p]
     h = hashlib.sha256()
     for f in files:
         h.update(str(f.relative_to(root)).encode() + b"\0")

@@ -4,8 +4,9 @@ Two modes, each timing several variants ROUND-ROBIN in one process (the machine
 is shared, so only ratios within one run mean anything; `uptime`'s load is
 printed with every table). Every call blocks on its result.
 
-  attn  one layer's decode attention alone, `backend.attention` at a traced layer
-        of a stacked [2, N, B, K, D] cache, for each (rows, ctx): variants are
+  attn  one layer's decode attention alone, `backend.attention` on one layer's
+        [N, B, K, D] cache with layer=None (`--cache=stacked`: at a traced layer of a
+        stacked [2, N, B, K, D] cache), for each (rows, ctx): variants are
         XlaBackend settings (`--attn_variants`, "name=field:value,..."). Prints
         median ms per layer and the effective GB/s of the real KV bytes read
         (rows x ctx x K x D x 2 x 4 bytes).
@@ -144,10 +145,11 @@ def run_attn(args) -> None:
         for ctx in args.ctx:
             n = max(rows * -(-ctx // B) + 2, args.pool_blocks)
             rng = np.random.default_rng(1)
-            kc = jnp.asarray(rng.standard_normal((2, n, B, K, D), np.float32))
-            vc = jnp.asarray(rng.standard_normal((2, n, B, K, D), np.float32))
+            lead = () if args.cache == "per_layer" else (2,)
+            kc = jnp.asarray(rng.standard_normal((*lead, n, B, K, D), np.float32))
+            vc = jnp.asarray(rng.standard_normal((*lead, n, B, K, D), np.float32))
             q = jnp.asarray(rng.standard_normal((max(rows, args.t_pad), K * G, D), np.float32))
-            layer1 = jnp.int32(1)
+            layer1 = None if args.cache == "per_layer" else jnp.int32(1)
             fns = {}
             for name, kw in variants.items():
                 be = XlaBackend(block_size=B, **kw)
@@ -257,6 +259,9 @@ def main() -> None:
                     help="block-table width (the engine: max_model_len / 16); default = ctx / 16")
     ap.add_argument("--pool_blocks", type=int, default=0,
                     help="KV pool blocks at least (the engine at 512 MiB: 728)")
+    ap.add_argument("--cache", choices=("per_layer", "stacked"), default="per_layer",
+                    help="attn mode: one layer's [N, B, K, D] cache passed with layer=None "
+                         "(the per-layer runner), or layer 1 of a stacked [2, N, B, K, D] one")
     ap.add_argument("--xprof", type=int, default=0,
                     help="trace this many calls per variant with jax.profiler; print top ops")
     ap.add_argument("--attn_variants", default="current=",

@@ -333,3 +333,34 @@ def test_no_full_sort_in_compiled_sampler():
     hlo = jax.jit(functools.partial(sample, max_logprobs=NLP, top_window=16)).lower(
         np.zeros((S, V), np.float32), md).compile().as_text()
     assert " sort(" not in hlo
+
+
+def test_row_blocked_sample_equals_one_block_at_64_rows():
+    # S = 64 > SAMPLE_ROW_BLOCK walks the rows in blocks (lax.map); the output must equal
+    # the one-piece `_sample` on the same mixed batch (greedy, seeded
+    # top-k / top-p / min-p, penalties, logit_bias, min_tokens suppression, padding rows),
+    # and a row's result must not depend on which block it lands in.
+    from jaxserve.sampler import SAMPLE_ROW_BLOCK, _sample
+
+    n = 64
+    assert n > SAMPLE_ROW_BLOCK and n % SAMPLE_ROW_BLOCK == 0
+    kinds = [dict(temperature=0.0), dict(seed=3, temperature=0.8, top_p=0.9),
+             dict(seed=5, top_k=4), dict(seed=7, min_p=0.2, temperature=1.3),
+             dict(seed=9, temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5),
+             dict(temperature=0.0, logit_bias={3: 50.0}),
+             dict(seed=11, temperature=1.0, min_tokens=4, stop_token_ids=[2]), None]
+    rows = [None if kinds[i % len(kinds)] is None else
+            _row(pos=i % 5, out=(1, 4), **kinds[i % len(kinds)]) for i in range(n)]
+    logits = _logits(21, rows=n)
+    md = _md(rows, num_rows=n)
+    got = jax.jit(functools.partial(sample, max_logprobs=NLP))(logits, md)
+    want = jax.jit(functools.partial(_sample, max_logprobs=NLP))(logits, md)
+    # Same tokens and top ids; logprobs up to the reduction order over V (an ulp).
+    np.testing.assert_array_equal(np.asarray(got.token_ids), np.asarray(want.token_ids))
+    np.testing.assert_array_equal(np.asarray(got.top_ids), np.asarray(want.top_ids))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got.top_logprobs), np.asarray(want.top_logprobs),
+                               rtol=1e-6)
+    assert int(got.token_ids[5]) == 3 and int(got.token_ids[5 + 40]) == 3  # the bias wins
+    hlo = jax.jit(functools.partial(sample, max_logprobs=NLP)).lower(logits, md).as_text()
+    assert "while" in hlo  # the blocked walk is in the program

@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.attention import CommonAttentionMetadata, get_attention_backend
+from jaxserve.model.attention import CommonAttentionMetadata, get_attention_backend, native_cpu
 from jaxserve.model.attention.pallas_triton import PallasTritonBackend
 from jaxserve.model.attention.reference import reference_ragged_paged_attention, reference_write_kv
 from jaxserve.model.attention.xla import XlaBackend
@@ -181,15 +181,25 @@ def test_xla_split_kv_decode_many_items_per_row(chunk, mulsum):
     _assert_matches_float64_reference(be, batch)
 
 
-def _assert_matches_float64_reference(be, batch):
+def _assert_matches_float64_reference(be, batch, *, stacked=False, want_custom_call=None):
     """be.attention on the (NaN-poisoned) batch: real rows finite and equal to the float64
-    reference, padding rows exactly 0."""
+    reference, padding rows exactly 0. stacked: the cache as layer 1 of a stacked
+    [2, N, B, K, D] one whose layer 0 is all NaN (else one layer's cache, layer=None).
+    want_custom_call: assert whether the lowered program calls the native kernel."""
     md = jax.tree.map(jnp.asarray, be.prepare(CommonAttentionMetadata(**batch.common_kwargs())))
-    out = np.asarray(jax.jit(functools.partial(be.attention, layer=None, sm_scale=D ** -0.5))(
-        jnp.asarray(batch.q), jnp.asarray(batch.k_cache), jnp.asarray(batch.v_cache), md))
+    d = batch.q.shape[-1]
+    kc, vc, layer = jnp.asarray(batch.k_cache), jnp.asarray(batch.v_cache), None
+    if stacked:
+        kc, vc = (jnp.stack([jnp.full_like(c, jnp.nan), c]) for c in (kc, vc))
+        layer = jnp.int32(1)
+    fn = jax.jit(functools.partial(be.attention, sm_scale=d ** -0.5))
+    if want_custom_call is not None:
+        text = fn.lower(jnp.asarray(batch.q), kc, vc, md, layer=layer).as_text()
+        assert (native_cpu.TARGET in text) == want_custom_call
+    out = np.asarray(fn(jnp.asarray(batch.q), kc, vc, md, layer=layer))
     ref = reference_ragged_paged_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens,
-        batch.block_table, batch.num_seqs, sm_scale=D ** -0.5)
+        batch.block_table, batch.num_seqs, sm_scale=d ** -0.5)
     n = batch.num_tokens
     assert np.isfinite(out[:n]).all()
     np.testing.assert_allclose(out[:n], ref[:n], atol=1e-5, rtol=1e-5)
@@ -211,7 +221,7 @@ def test_xla_decode_item_bounds_match_float64_reference(max_items, case):
     # Items per loop iteration equal to and below S_pad: NaN-poisoned pages and padding
     # rows must not leak, every row's items must merge once (float64 reference).
     q_lens, seq_lens, t_pad, s_pad, p = _decode_case(case)
-    be = XlaBackend(block_size=16, decode_max_items=max_items)
+    be = XlaBackend(block_size=16, decode_max_items=max_items, decode_impl="online")
     batch = random_batch(np.random.default_rng(7), q_lens=q_lens, seq_lens=seq_lens,
                          num_tokens=t_pad, num_seqs=s_pad, max_blocks_per_seq=p,
                          num_kv_blocks=s_pad * p + 1, block_size=16, num_heads=H,
@@ -249,6 +259,66 @@ def test_xla_online_decode_matches_float64_reference(product, case):
     _assert_matches_float64_reference(be, batch)
 
 
+@pytest.mark.parametrize("heads", [(H, K, D), (9, 3, 64)], ids=["tiny", "smollm2"])
+@pytest.mark.parametrize("chunk_pages", [1, 16])
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_layer", "stacked"])
+@pytest.mark.parametrize("case", ["decode_only", "mixed", "64_rows_long"])
+def test_xla_native_decode_matches_float64_reference(case, stacked, chunk_pages, heads):
+    # The native FFI decode kernel (decode_impl="native", the CPU default): decode-only,
+    # mixed (decodes beside prefill tiles on the jnp path) and 64 rows up to 2048 keys, in
+    # the engine layout. NaN-poisoned unused slots and pages (and, stacked, a NaN layer 0)
+    # must not leak; 1-page tasks split long rows into many partials to merge; the
+    # SmolLM2 geometry runs the kernel's specialised (D 64, G 3, K 3) body.
+    assert native_cpu.available(), native_cpu.unavailable_reason()
+    h, kh, d = heads
+    q_lens, seq_lens, t_pad, s_pad, p = _engine_layout_case(case)
+    need = sum(-(-s // 16) for s in seq_lens)
+    be = XlaBackend(block_size=16, native_chunk_pages=chunk_pages)
+    batch = random_batch(np.random.default_rng(17), q_lens=q_lens, seq_lens=seq_lens,
+                         num_tokens=t_pad, num_seqs=s_pad, max_blocks_per_seq=p,
+                         num_kv_blocks=need + 9, block_size=16, num_heads=h, num_kv_heads=kh,
+                         head_dim=d)
+    _assert_matches_float64_reference(be, batch, stacked=stacked, want_custom_call=True)
+
+
+def test_xla_native_decode_falls_back_for_bf16_and_online():
+    # bf16 caches (or decode_impl="online") keep the jnp path: no custom call.
+    q_lens, seq_lens, t_pad, s_pad, p = _engine_layout_case("decode_only")
+    batch = random_batch(np.random.default_rng(19), q_lens=q_lens, seq_lens=seq_lens,
+                         num_tokens=t_pad, num_seqs=s_pad, max_blocks_per_seq=p,
+                         num_kv_blocks=200, block_size=16, num_heads=H, num_kv_heads=K,
+                         head_dim=D)
+    _assert_matches_float64_reference(XlaBackend(block_size=16, decode_impl="online"), batch,
+                                      want_custom_call=False)
+    be = XlaBackend(block_size=16)
+    md = jax.tree.map(jnp.asarray, be.prepare(CommonAttentionMetadata(**batch.common_kwargs())))
+    kc = jnp.asarray(np.nan_to_num(batch.k_cache), jnp.bfloat16)
+    text = jax.jit(functools.partial(be.attention, layer=None, sm_scale=0.3)).lower(
+        jnp.asarray(batch.q, jnp.bfloat16), kc, kc, md).as_text()
+    assert native_cpu.TARGET not in text
+
+
+def test_native_paged_decode_rejects_out_of_range_pages_and_layer():
+    # A used page id outside the pool, or a layer outside the stack, fails the call with
+    # a message naming the value instead of reading out of bounds.
+    q = jnp.ones((2, K, H // K, D))
+    kc = jnp.zeros((1, 5, B, K, D))
+    kv_len = jnp.asarray([3, 0], jnp.int32)
+    ok = native_cpu.paged_decode(q, kv_len, jnp.asarray([[4], [99]], jnp.int32), kc, kc, 0,
+                                 sm_scale=1.0, chunk_pages=1)  # slot 1 is unused: 99 unread
+    assert np.all(np.asarray(ok) == 0.0)
+    with pytest.raises(Exception, match="page 7 of slot 0 not in"):
+        native_cpu.paged_decode(q, kv_len, jnp.asarray([[7], [0]], jnp.int32), kc, kc, 0,
+                                sm_scale=1.0, chunk_pages=1).block_until_ready()
+    with pytest.raises(Exception, match="layer 1 not in"):
+        native_cpu.paged_decode(q, kv_len, jnp.asarray([[1], [0]], jnp.int32), kc, kc, 1,
+                                sm_scale=1.0, chunk_pages=1).block_until_ready()
+    with pytest.raises(Exception, match=r"kv_len\[0\]=17 not in"):
+        native_cpu.paged_decode(q, jnp.asarray([17, 0], jnp.int32),
+                                jnp.asarray([[1], [0]], jnp.int32), kc, kc, 0,
+                                sm_scale=1.0, chunk_pages=1).block_until_ready()
+
+
 def test_online_softmax_merge_into_equals_one_softmax():
     # Items of one row split across batches and repeated within a batch, plus an empty
     # item, merged with merge_into: equal to one softmax over all of the row's keys.
@@ -281,7 +351,8 @@ def test_online_softmax_merge_into_equals_one_softmax():
 
 @pytest.mark.parametrize("bad,match", [(dict(decode_impl="fast"), "decode_impl='fast'"),
                                        (dict(decode_product="dot"), "decode_product='dot'"),
-                                       (dict(decode_max_items=0), "decode_max_items=0")])
+                                       (dict(decode_max_items=0), "decode_max_items=0"),
+                                       (dict(native_chunk_pages=0), "native_chunk_pages=0")])
 def test_xla_backend_rejects_bad_settings(bad, match):
     with pytest.raises(ValueError, match=match):
         XlaBackend(block_size=16, **bad)

@@ -1,10 +1,15 @@
-"""The "xla" attention backend: ragged paged attention in plain jnp (the CPU default).
+"""The "xla" attention backend: ragged paged attention in jnp (the CPU default).
 
-Decode rows (q_len = 1) are split into (sequence, KV chunk) work items walked
-W at a time; each iteration folds its items' softmax partials into per-row
-running states (split-KV, flash-decoding, Dao et al. 2023), so the cost
-follows the sum of the real context lengths: padded slots, short rows beside a
-long one and unused block-table columns cost nothing. Prefill rows run tile by tile
+On CPU with f32 caches, decode rows go to a native XLA FFI kernel
+(`native_cpu.paged_decode`, `decode_impl="native"`): it reads each slot's pages in
+place on both cores, 2-7x faster per layer than the jnp decode path below, which
+stays for other platforms, other dtypes, a missing C++ compiler, and A/B
+(notes/perf.md, helper "attn"). In the jnp path, decode rows (q_len = 1) are split
+into (sequence, KV chunk) work items walked W at a time; each iteration folds
+its items' softmax partials into per-row running states (split-KV,
+flash-decoding, Dao et al. 2023), so the cost follows the sum of the real
+context lengths: padded slots, short rows beside a long one and unused
+block-table columns cost nothing. Prefill rows run tile by tile
 in a loop whose trip count is the number of tiles in use, each walking its
 pages in chunks with an online softmax (FlashAttention-2, Dao 2023) up to its
 own causal end. Both read the stacked cache [L, N, B, K, D] at a traced
@@ -26,6 +31,7 @@ from jax import lax
 from jaxserve.model.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
                                              num_query_tiles, query_tiles, real_q_lens,
                                              stacked_cache)
+from jaxserve.model.attention import native_cpu
 from jaxserve.model.online_softmax import init_state, merge_into, normalize, online_softmax_step
 
 
@@ -77,10 +83,13 @@ class XlaBackend:
       decode_mulsum: (decode_impl="split_kv" only) products as multiply + sum.
       decode_max_items: at most this many split-KV items per loop iteration.
       prefill_chunk: keys per inner step of a prefill tile.
-      decode_impl: "online" (default: each loop iteration folds its items into per-row
-        states, `_decode_online`) or "split_kv" (the previous path: per-item buffers
-        sized S x max_blocks_per_seq, merged after the loop; kept for same-process A/B
-        in scripts/profile_step.py).
+      decode_impl: "native" (default: the XLA:CPU FFI kernel of `native_cpu`, which
+        reads each slot's pages in place on both cores; used when tracing for CPU with
+        f32 caches and the kernel builds, else "online"), "online" (each loop iteration
+        folds its items into per-row states, `_decode_online`) or "split_kv" (the
+        older path: per-item buffers sized S x max_blocks_per_seq, merged after the
+        loop). The last two stay for same-process A/B in scripts/profile_step.py.
+      native_chunk_pages: pages per (slot, chunk) task of the native kernel.
       decode_product: "blockdiag" | "heads" | "mulsum", the online path's products
         (`_decode_products`). Measured in notes/perf.md (2026-12-01, helper "perf").
     """
@@ -91,19 +100,26 @@ class XlaBackend:
     decode_mulsum: bool = True
     decode_max_items: int = 8
     prefill_chunk: int = 256
-    decode_impl: str = "online"
+    decode_impl: str = "native"
+    native_chunk_pages: int = 16
     decode_product: str = "blockdiag"
     name: str = "xla"
 
     def __post_init__(self):
-        if self.decode_impl not in ("online", "split_kv"):
-            raise ValueError(f"decode_impl={self.decode_impl!r} must be 'online' or 'split_kv'")
+        if self.decode_impl not in ("native", "online", "split_kv"):
+            raise ValueError(f"decode_impl={self.decode_impl!r} must be 'native', 'online' "
+                             f"or 'split_kv'")
         if self.decode_product not in ("blockdiag", "heads", "mulsum"):
             raise ValueError(f"decode_product={self.decode_product!r} must be 'blockdiag', "
                              f"'heads' or 'mulsum'")
-        for f in ("block_size", "block_q", "decode_chunk", "decode_max_items", "prefill_chunk"):
+        for f in ("block_size", "block_q", "decode_chunk", "decode_max_items", "prefill_chunk",
+                  "native_chunk_pages"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be > 0")
+        if self.decode_impl == "native" and jax.default_backend() == "cpu":
+            # Build and register the FFI target now, before any program that calls it is
+            # loaded from the executable cache (a cache hit traces nothing).
+            native_cpu.available()
 
     def prepare(self, common: CommonAttentionMetadata) -> XlaMetadata:
         """Validate the step and tile its prefill rows (host, vectorized NumPy).
@@ -324,6 +340,12 @@ def _decode_online(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, ma
     return normalize(acc[:n], l_sum[:n])
 
 
+def _use_native(kc, vc) -> bool:
+    """Whether the native kernel can serve this trace: CPU, f32 caches, and it builds."""
+    return (jax.default_backend() == "cpu" and kc.dtype == jnp.float32
+            and vc.dtype == jnp.float32 and native_cpu.available())
+
+
 def _pad_pages(block_table, chunk_pages):
     return jnp.pad(block_table, ((0, 0), (0, -block_table.shape[1] % chunk_pages)))
 
@@ -341,7 +363,10 @@ def _xla_attention(be: XlaBackend, q, kc, vc, layer, md: XlaMetadata, sm_scale: 
     # Decode rows: one query per sequence slot, all slots batched.
     dcp = max(1, be.decode_chunk // bs)
     dq = qg[md.decode_token_idx]  # [S, K, G, D]
-    if be.decode_impl == "online":
+    if be.decode_impl == "native" and _use_native(kc, vc):
+        o_dec = native_cpu.paged_decode(dq, md.decode_kv_len, md.block_table, kc, vc, layer,
+                                        sm_scale=sm_scale, chunk_pages=be.native_chunk_pages)
+    elif be.decode_impl in ("native", "online"):
         o_dec = _decode_online(dq, md.decode_kv_len, _pad_pages(md.block_table, dcp), kc, vc,
                                layer, sm_scale=sm_scale, chunk_pages=dcp,
                                max_items=be.decode_max_items, product=be.decode_product)

@@ -1,0 +1,131 @@
+"""A native XLA:CPU paged decode-attention kernel (XLA FFI custom call) for the "xla" backend.
+
+XLA:CPU has no fast way to read a paged KV cache: its gather fusions copy pages at
+~3-4 GB/s on one thread and YNNPACK's tiny batched dots run far below peak, so the
+jnp decode path (`xla._decode_online`) reads KV at 2-5 GB/s (notes/perf.md). This
+module compiles `native/paged_decode.cc` (PagedAttention's page walk, Kwon et al.
+2023, with flash-decoding's split over (slot, chunk of pages) tasks, Dao et al. 2023)
+into a shared library once per source / compiler / jaxlib / CPU, caches it under
+`$JAXSERVE_NATIVE_CACHE` (default `~/.cache/jaxserve/native`), and registers it as
+the FFI target `jaxserve_paged_decode_f32` for the CPU platform.
+
+`available()` is False (with the reason in `unavailable_reason()`) when no C++
+compiler is found or the build fails; the backend then keeps the jnp path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+TARGET = "jaxserve_paged_decode_f32"
+_SRC = Path(__file__).with_name("native") / "paged_decode.cc"
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared",
+          "-fPIC")
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build() -> Path:
+    """Compile the kernel (or reuse the cached build); the path of the shared library.
+
+    Raises:
+      RuntimeError: no C++ compiler ($CXX, c++, g++, clang++) or the compile failed.
+    """
+    cxx = next((c for c in (os.environ.get("CXX"), "c++", "g++", "clang++")
+                if c and shutil.which(c)), None)
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, cxx.encode(), " ".join(_FLAGS).encode(),
+                                     jax.__version__.encode(), _cpu_flags().encode()]))
+    cache = Path(os.environ.get("JAXSERVE_NATIVE_CACHE",
+                                Path.home() / ".cache" / "jaxserve" / "native"))
+    lib = cache / f"paged_decode_{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SRC), "-o", tmp]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+    os.replace(tmp, lib)  # atomic: concurrent builders each write their own temp file
+    return lib
+
+
+def available() -> bool:
+    """Build (once per process) and register the kernel; False if that is impossible."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                lib = ctypes.cdll.LoadLibrary(str(_build()))
+                jax.ffi.register_ffi_target(
+                    TARGET, jax.ffi.pycapsule(lib.JaxservePagedDecodeF32), platform="cpu")
+                _state.update(ok=True, lib=lib)
+            except (RuntimeError, OSError, AttributeError) as e:
+                log.warning("native CPU decode attention unavailable: %s", e)
+                _state.update(ok=False, reason=str(e))
+        return _state["ok"]
+
+
+def unavailable_reason() -> str | None:
+    """Why `available()` returned False (None if it was never called or succeeded)."""
+    return _state.get("reason")
+
+
+def paged_decode(q, kv_len, pages, k_cache, v_cache, layer, *, sm_scale: float,
+                 chunk_pages: int):
+    """Decode attention of one query per slot against its KV pages, read in place.
+
+    Args:
+      q: [S, K, G, D] queries (cast to f32), G query heads per KV head.
+      kv_len: i32[S] keys of each slot (0: not a decode row -> output 0).
+      pages: i32[S, P] each slot's page ids into the cache, in [0, N).
+      k_cache, v_cache: f32[L, N, B, K, D] stacked paged caches (one layer: L = 1).
+      layer: i32 scalar, the layer to read.
+      sm_scale: softmax scale.
+      chunk_pages: pages per (slot, chunk) task of the split over both cores.
+
+    Returns:
+      f32[S, K, G, D], softmax(q k^T * sm_scale) v over each slot's first kv_len keys.
+
+    Raises:
+      RuntimeError: `available()` is False.
+      (At run time the call fails with an out-of-range error naming the value when
+      kv_len exceeds P * B, a used page id is outside [0, N), or layer outside [0, L).)
+    """
+    if not available():
+        raise RuntimeError(f"native CPU decode attention unavailable: {unavailable_reason()}")
+    if k_cache.dtype != jnp.float32 or v_cache.dtype != jnp.float32:
+        raise ValueError(f"paged_decode needs f32 caches, got {k_cache.dtype}/{v_cache.dtype}")
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(
+        q.astype(jnp.float32), kv_len.astype(jnp.int32), pages.astype(jnp.int32), k_cache,
+        v_cache, jnp.asarray(layer, jnp.int32).reshape(()), sm_scale=np.float32(sm_scale),
+        chunk_pages=int(chunk_pages))
