@@ -149,6 +149,9 @@ def _static_parts() -> dict:
         }
     parts = dict(_STATIC_PARTS)
     parts["jax_flags"] = {n: str(getattr(jax.config, n, None)) for n in _JAX_FLAGS}
+    from jaxserve.model.attention import native_cpu  # whether decode used the native kernel
+
+    parts["native_cpu_decode"] = native_cpu.status()
     return parts
 
 

@@ -94,6 +94,15 @@ def available() -> bool:
         return _state["ok"]
 
 
+def status() -> str:
+    """"built <library>", "unavailable" or "not tried", without building anything: a part
+    of the executable-cache key (a program traced with the kernel cannot run where the
+    kernel does not load)."""
+    if "ok" not in _state:
+        return "not tried"
+    return f"built {Path(_state['lib']._name).name}" if _state["ok"] else "unavailable"
+
+
 def unavailable_reason() -> str | None:
     """Why `available()` returned False (None if it was never called or succeeded)."""
     return _state.get("reason")
