@@ -190,8 +190,8 @@ def start_multihost() -> bool:
     from jaxserve.scheduler.buckets import BucketPolicy
 
     enable_compilation_cache(FLAGS.compile_cache_dir)
-    # No params cache with several processes: its orbax save/restore would wait at a
-    # cross-process barrier the other processes never reach.
+    # No params cache with several processes yet: the .npy cache's writes are atomic, but
+    # several processes converting into one entry at once has not been tested.
     cfg, params, _ = load_model(resolve_model_path(FLAGS.model), dtype=FLAGS.dtype,
                                 cache_dir=None)
     config = make_engine_config(cfg, **engine_args_from_flags())

@@ -317,7 +317,9 @@ class EngineConfig:
     # compiled program over G consecutive layers (per-layer weight and KV cache buffers,
     # the cache donated call by call), plus an embed and a final-norm program. G = 1
     # compiles ~7x faster than the one-program stack (G = L) at the same step time
-    # (notes/startup.md, scripts/profile_layer_groups.py). Must divide num_hidden_layers.
+    # (notes/startup.md, scripts/profile_layer_groups.py; measured on CPU only, where the
+    # L + 2 calls per step cost nothing measurable). Must divide num_hidden_layers;
+    # unused by the scan (unroll_layers=False), which keeps its one program.
     layers_per_program: int = 1
     # Refuse (RuntimeError) a step whose program warm-up did not build, instead of
     # compiling it late with an ERROR log (on in the test suite).

@@ -59,7 +59,8 @@ SUFFIX = ".jxe"
 # adds its file here, or a cached program could outlive the code that made it.
 PROGRAM_SOURCES = ("model_runner.py", "sampler.py", "sampling_params.py", "validation.py",
                    "batch.py", "config.py", "runner.py", "scheduler/output.py",
-                   "scheduler/buckets.py", "parallel.py", "model", "pallas")
+                   "scheduler/buckets.py", "parallel.py", "layer_stack.py", "scoring.py",
+                   "model", "pallas")
 
 # EngineConfig fields that only steer scheduling / serving, never a program. Every other
 # field (including ones added later) is part of the key: a new field can only cause a

@@ -1,4 +1,4 @@
-"""Runs one scheduled step: bucket-shaped host arrays -> one AOT-compiled program.
+"""Runs one scheduled step: bucket-shaped host arrays -> its AOT-compiled programs.
 
 Per step (DESIGN.md "Data flow of one engine step"): the scheduler's plan is
 laid out as NumPy arrays at the bucket shape (T_pad, S_pad) (`jaxserve.batch`),
@@ -9,7 +9,9 @@ place), and the sampled ids come back with ONE device-to-host copy.
 Programs are ahead-of-time executables (`jit(...).lower(...).compile()`) in two
 families that add rather than multiply (T + S programs, not T x S): the layer
 stack per token bucket T_pad (embedding, decoder layers, final norm, and the
-gather of the rows whose logits are wanted, at the largest seq bucket), and the
+gather of the rows whose logits are wanted, at the largest seq bucket; with
+unrolled layers an embed, a G-layer program called L / G times on per-layer
+weight and KV buffers, and a final program: `jaxserve.layer_stack`), and the
 head per seq bucket S_pad (LM head + sampler over the first S_pad gathered rows).
 The two run back to back; the gathered rows stay on the device. All are built
 at warm-up: the analogue of vLLM's CUDA-graph capture sizes, with the split of
@@ -240,7 +242,9 @@ class ModelRunner:
         (None: the `enable_executable_cache` default; '': off).
 
     The pool size N is `config.cache.num_kv_blocks`, or what
-    `kv_cache_memory_bytes` holds; the cache is 2 x [L, N, B, K, D] in cfg.dtype.
+    `kv_cache_memory_bytes` holds; the cache (`kv_cache`) is, in cfg.dtype, (L K
+    buffers, L V buffers) of [N, B, K, D] each with unrolled layers (layer-group
+    programs), or 2 x [L, N, B, K, D] for the scan.
     With `config.tensor_parallel_size` > 1 params and cache are sharded over a
     mesh (`jaxserve.parallel`; K becomes K' = max(K, TP) when KV heads are
     replicated) and the programs compile with those shardings.
@@ -371,6 +375,8 @@ class ModelRunner:
         if jax.process_count() > 1:  # the followers would keep serving the old weights
             raise ValueError(f"update_params is not supported across {jax.process_count()} "
                              f"processes (multi-host)")
+        if isinstance(params, OwnedHostParams):  # a swap between steps: always a copy
+            params = params.tree
         new = prepare_params(self.cfg, params, unroll_layers=self.config.unroll_layers,
                              place=self.tp.place_params)
         old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.params)
@@ -395,7 +401,7 @@ class ModelRunner:
         """The step's host arrays, and the rows whose own host work failed.
 
         The token layout and attention metadata use the largest seq bucket (the
-        layer stack is one program per T_pad); only the sampling rows use S_pad.
+        layer stack's programs exist per T_pad only); only the sampling rows use S_pad.
         """
         b = build_batch(dataclasses.replace(out, seq_bucket=self.max_seq_bucket),
                         block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
@@ -585,21 +591,24 @@ class ModelRunner:
 
     def _rows_spec(self) -> jax.ShapeDtypeStruct:
         """Shape and dtype of the stack's gathered rows [S_max, E]. Layer-group stacks:
-        the final program traced abstractly (cheap, the same in every thread and run, so
-        head keys in the executable cache never depend on build order). The one-program
-        stack: read off a built stack program, else traced abstractly."""
+        the final program traced abstractly (cheap). The one-program stack: read off a
+        built stack program, else traced abstractly."""
         t_pad = self.bucket_policy.token_buckets[0]
         if self.group is not None:  # the final program alone: no layer is traced
             fn, args = self._group_stack_args(t_pad)["final"]
-            return jax.eval_shape(fn, *args)[0]
-        with self._stats_lock:  # the warm-up thread may be adding programs
-            built = list(self._programs.items())
-        for (family, _), program in built:
-            if family == "stack":
-                return program.out_info[0]
-        host = self._padding_batch(t_pad, self.max_seq_bucket)
-        return jax.eval_shape(self._stack_jit, self._param_specs, self._kv_specs,
-                              dataclasses.replace(host, sampling=None))[0]
+            s = jax.eval_shape(fn, *args)[0]
+        else:
+            with self._stats_lock:  # the warm-up thread may be adding programs
+                built = [p for (family, _), p in self._programs.items() if family == "stack"]
+            if built:
+                s = built[0].out_info[0]
+            else:
+                host = self._padding_batch(t_pad, self.max_seq_bucket)
+                s = jax.eval_shape(self._stack_jit, self._param_specs, self._kv_specs,
+                                   dataclasses.replace(host, sampling=None))[0]
+        # Shape and dtype only (the head's shardings are explicit): the same spec however
+        # it was found, so the head's executable-cache key never depends on build order.
+        return jax.ShapeDtypeStruct(s.shape, s.dtype)
 
     def _program(self, key: tuple[str, int]) -> Any:
         program = self._programs.get(key)
@@ -680,8 +689,14 @@ class ModelRunner:
                 bar.update(1)
             return
         with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jaxserve-compile") as ex:
-            for _ in ex.map(self._build, todo):
-                bar.update(1)
+            futures = [ex.submit(self._build, key) for key in todo]
+            try:
+                for f in concurrent.futures.as_completed(futures):
+                    f.result()  # the first failure raises here ...
+                    bar.update(1)
+            except BaseException:
+                ex.shutdown(cancel_futures=True)  # ... and the queued builds are dropped
+                raise
 
     def _background_warmup(self, stages, t0: float, counts0: tuple[int, int, int]) -> None:
         try:

@@ -148,7 +148,8 @@ def _layer(layer):
 class ShardedAttention:
     """An attention backend run per shard under `shard_map`: each device writes and
     attends over its own KV heads (q [T, H, D] and k / v [T, K', D] split on the head
-    axis, the cache [L, N, B, K', D] on K', the step metadata replicated). The inner
+    axis, the cache [L, N, B, K', D] or one layer's [N, B, K', D] on K', the step
+    metadata replicated). The inner
     backend sees local shapes (H / TP query heads over K' / TP KV heads) and is unchanged.
     """
 
@@ -255,23 +256,27 @@ class TensorParallel:
             tree = dict(tree, layers=[expand(lp) for lp in layers]
                         if isinstance(layers, (list, tuple)) else expand(layers))
         if self.mesh is None:
-            if alias_host:
+            if alias_host or jax.default_backend() != "cpu":  # off CPU device_put copies
                 return jax.device_put(tree)
-            return jax.tree.map(lambda x: jax.device_put(
-                np.array(x, copy=True) if isinstance(x, np.ndarray) else x), tree)
-        placed = jax.tree.map(lambda x, spec: self.put(x, self.sharding(spec)), tree,
+            return jax.tree.map(lambda x: jax.device_put(private_host_copy(x)), tree)
+        placed = jax.tree.map(lambda x, spec: self.put(x, self.sharding(spec),
+                                                       private=not alias_host), tree,
                               param_specs(tree, vocab_parallel=self.vocab_parallel))
         check_no_full_replicas(placed)
         return placed
 
     @staticmethod
-    def put(x: Any, sharding: NamedSharding) -> jax.Array:
-        """One leaf on `sharding`: NumPy shard by shard, a jax array resharded by jax."""
+    def put(x: Any, sharding: NamedSharding, *, private: bool = False) -> jax.Array:
+        """One leaf on `sharding`: NumPy shard by shard, a jax array resharded by jax.
+        private: each CPU shard is first copied (`private_host_copy`), so no device
+        buffer is the caller's memory (CPU device_put uses an aligned slice in place)."""
         if isinstance(x, jax.Array):
             return jax.device_put(x, sharding)
         x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, sharding,
-                                            lambda idx: np.ascontiguousarray(x[idx]))
+        copy = private and sharding.mesh.devices.flat[0].platform == "cpu"
+        return jax.make_array_from_callback(
+            x.shape, sharding,
+            lambda idx: private_host_copy(x[idx]) if copy else np.ascontiguousarray(x[idx]))
 
     def zeros(self, shape: tuple[int, ...], dtype, sharding: NamedSharding | None) -> jax.Array:
         """A zero array, each device filled with only its shard."""
@@ -346,7 +351,19 @@ def align_host_leaves(tree: Any, align: int = ALIGN) -> Any:
 
 
 def _aligned(x: Any, align: int) -> Any:
-    if not isinstance(x, np.ndarray) or (x.ctypes.data % align == 0 and x.flags.c_contiguous):
+    # A read-only leaf is a view of a file mapped shared (e.g. an F32 tensor of the GGUF
+    # itself): copied, so that rewriting that file can never change a served weight.
+    if not isinstance(x, np.ndarray) or (x.ctypes.data % align == 0 and x.flags.c_contiguous
+                                         and x.flags.writeable):
+        return x
+    return private_host_copy(x, align)
+
+
+def private_host_copy(x: Any, align: int = ALIGN) -> Any:
+    """A NumPy leaf copied into a fresh `align`-byte-aligned buffer (CPU `device_put`
+    then takes that private copy as it is, without a second copy); other leaves as
+    they are."""
+    if not isinstance(x, np.ndarray):
         return x
     buf = np.empty(x.nbytes + align, np.uint8)
     off = (-buf.ctypes.data) % align

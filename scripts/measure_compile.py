@@ -21,6 +21,7 @@ import time
 import types
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.checkpoint import load_model
 from jaxserve.engine import make_engine_config
@@ -68,10 +69,14 @@ def fused_step(runner: ModelRunner, out: SchedulerOutput, reqs: dict):
                         params, rows, batch.sampling), kv
 
     host, _ = runner._host_batch(out, reqs)
-    exe = jax.jit(step, donate_argnums=(1,)).lower(runner.params, runner.kv_cache, host).compile()
+    # _stack_fn takes the stacked [L, N, B, K, D] cache; layer-group runners keep one
+    # buffer per layer, so this program gets a stacked copy of its own.
+    kv = {"kv": runner.kv_cache if runner.group is None else
+          tuple(jnp.stack(side) for side in runner.kv_cache)}
+    exe = jax.jit(step, donate_argnums=(1,)).lower(runner.params, kv["kv"], host).compile()
 
     def run():
-        res, runner.kv_cache = exe(runner.params, runner.kv_cache, jax.device_put(host))
+        res, kv["kv"] = exe(runner.params, kv["kv"], jax.device_put(host))
         jax.device_get(res.token_ids)
     return run
 

@@ -188,3 +188,25 @@ def test_the_size_cap_evicts_the_least_recently_used_entries(tmp_path):
     tiny = ExecutableCache(tmp_path / "c", max_bytes=1)  # below one entry: only the new one stays
     assert tiny.store(keys[1], compiled)
     assert [p.name for p in (tmp_path / "c").glob("*.jxe")] == [cache.path(keys[1]).name]
+
+
+def test_every_traced_module_is_in_the_source_digest():
+    # A program traced from a file outside PROGRAM_SOURCES would be loaded stale after
+    # that file changed.
+    import inspect
+    from pathlib import Path
+
+    from jaxserve import executable_cache, layer_stack, model_runner, sampler, scoring
+    from jaxserve.model import llama
+    from jaxserve.model.attention import native_cpu, xla
+
+    root = Path(executable_cache.__file__).resolve().parent
+    covered = set()
+    for rel in executable_cache.PROGRAM_SOURCES:
+        p = root / rel
+        covered |= set(p.rglob("*.py")) if p.is_dir() else {p}
+    fns = [model_runner._stack_fn, model_runner._head_fn, model_runner._score_fn,
+           layer_stack.embed_fn, layer_stack.layers_fn, layer_stack.final_fn, sampler.sample,
+           llama.decoder_layer, xla.XlaBackend, native_cpu.paged_decode, scoring.scoring_plan]
+    for fn in fns:
+        assert Path(inspect.getsourcefile(fn)).resolve() in covered, fn

@@ -105,3 +105,29 @@ def test_a_group_size_that_does_not_divide_the_layers_is_refused():
         _engine(layers_per_program=0)
     with pytest.raises(ValueError, match=r"compile_threads=0 must be a positive int"):
         _engine(compile_threads=0)
+
+
+def test_a_failure_mid_stack_is_retried_on_a_rebuilt_cache(layouts):
+    import dataclasses
+
+    engine = _engine(layers_per_program=1)
+    runner = engine.runner
+    calls = {"n": 0}
+    fail_at = 3 * L + 2  # the 4th step, its 2nd layer call: layer 0's cache already replaced
+
+    for key, prog in list(runner._programs.items()):
+        if key[0] == "stack":
+            def layers(*args, _real=prog.layers):
+                calls["n"] += 1
+                if calls["n"] == fail_at:
+                    args[1][0].delete()  # the donated cache of the failing call is lost
+                    raise RuntimeError("injected failure in layer 1")
+                return _real(*args)
+            runner._programs[key] = dataclasses.replace(prog, layers=layers)
+    res = _run(engine)
+    assert calls["n"] > fail_at
+    assert engine.get_stats()["num_failed_steps"] == 1
+    assert not any(a.is_deleted() for a in jax.tree.leaves(runner.kv_cache))  # rebuilt
+    ref = layouts["G1"][0]
+    for rid in PROMPTS:  # every request recomputed on the fresh cache, same tokens
+        assert res[rid][0] == ref[rid][0], rid

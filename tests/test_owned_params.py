@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 from conftest import tiny_params
 from jaxserve.parallel import ALIGN, OwnedHostParams, align_host_leaves
+
+# Buffer sharing is a CPU property (device_put elsewhere always copies to the device).
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU buffer aliasing")
 
 
 def _misaligned(a: np.ndarray) -> np.ndarray:
@@ -31,8 +35,14 @@ def test_align_host_leaves_copies_only_misaligned_leaves_and_empties_the_input()
     assert out["n"]["b"].ctypes.data % ALIGN == 0
     np.testing.assert_array_equal(out["n"]["b"], want_b)
     assert out["s"] == 3
+    ro = good.copy()  # read-only: a view of a file mapped shared, as an F32 GGUF tensor
+    ro.flags.writeable = False
+    got = align_host_leaves({"ro": ro})["ro"]
+    assert got is not ro and got.flags.writeable and got.ctypes.data % ALIGN == 0
+    np.testing.assert_array_equal(got, ro)
 
 
+@cpu_only
 def test_device_put_on_cpu_uses_an_aligned_host_buffer_in_place():
     # The jax behaviour OwnedHostParams relies on (and that a bare tree is protected from).
     a = align_host_leaves({"a": np.arange(64, dtype=np.float32).reshape(4, 16)})["a"]
@@ -63,6 +73,7 @@ def _greedy(engine, prompt):
                 return list(out.outputs[0].token_ids)
 
 
+@cpu_only
 def test_an_owned_tree_is_used_in_place_and_a_bare_tree_is_copied():
     fresh = lambda: jax.tree.map(np.copy, tiny_params()[1])  # noqa: E731 (it is lru_cached)
     host = fresh()
@@ -83,3 +94,35 @@ def test_an_owned_tree_is_used_in_place_and_a_bare_tree_is_copied():
     host["embed"][...] = 0.0
     host["lm_head"][...] = 0.0
     assert _greedy(copied, prompt) == want
+
+
+_TP_SCRIPT = """
+import jax, numpy as np
+from jaxserve.config import ModelConfig
+from jaxserve.parallel import TensorParallel, align_host_leaves
+tp = TensorParallel(ModelConfig.tiny(), 2)
+x = align_host_leaves({"w": np.arange(48 * 8, dtype=np.float32).reshape(48, 8)})["w"]
+for private in (False, True):
+    for sh in (tp.replicated, tp.sharding(jax.sharding.PartitionSpec(None, "tp"))):
+        a = tp.put(x, sh, private=private)
+        same = [s.data.unsafe_buffer_pointer() == x.ctypes.data for s in a.addressable_shards]
+        print(private, any(same), np.array_equal(np.asarray(a), x))
+"""
+
+
+@cpu_only
+def test_tensor_parallel_placement_copies_a_bare_tree():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln.split() for ln in proc.stdout.split("\n") if ln.strip()]
+    # Not private: CPU device_put takes the aligned, contiguous replicated slice in place
+    # (what `private` exists to prevent); private: no shard is the caller's memory.
+    assert rows[0] == ["False", "True", "True"]
+    assert rows[2:] == [["True", "False", "True"]] * 2

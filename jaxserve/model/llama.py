@@ -153,10 +153,13 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
     `unroll_layers`, splits the stacked layers into a list of L per-layer dicts:
     `run_layers` then unrolls the layers and every matmul reads its own weight
     buffer, instead of the scan's per-layer dynamic-slice copy (notes/perf.md).
-    Host NumPy leaves are cast and split as host views where possible and moved
-    with one `jax.device_put`; device leaves are sliced, cast and copied on the
-    device. Either way the result is the only engine-layout copy made, and it
-    shares no buffer with `params`.
+    Host NumPy leaves are cast and split as host views where possible and handed
+    to `place`; device leaves are sliced, cast and copied on the device. With the
+    default `place` (one `jax.device_put`) an aligned NumPy leaf on CPU is used in
+    place rather than copied; the runner's `TensorParallel.place_params` copies
+    every NumPy leaf into a private buffer first (unless the tree was handed over
+    as `jaxserve.parallel.OwnedHostParams`), so the engine shares no buffer with
+    its caller's arrays.
 
     Args:
       cfg: the model config (shapes and dtype).
