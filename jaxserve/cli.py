@@ -44,9 +44,10 @@ flags.DEFINE_enum("scheduling_policy", "fcfs", ["fcfs", "priority"],
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse KV blocks of shared prompt prefixes.")
 flags.DEFINE_bool("unroll_layers", True, "Unroll the decoder layers in each step program: faster "
                   "steps on CPU, ~2.5x longer compiles (false: lax.scan over stacked weights).")
-flags.DEFINE_integer("layers_per_program", 1, "Decoder layers per compiled layer program (with "
+flags.DEFINE_integer("layers_per_program", None, "Decoder layers per compiled layer program (with "
                      "--unroll_layers): the stack runs as num_layers / N calls of one program. "
-                     "1 compiles fastest; num_layers is one program for the whole stack.")
+                     "1 compiles fastest; num_layers is one program for the whole stack. "
+                     "Default: 1 on CPU, num_layers on GPU/TPU.")
 flags.DEFINE_integer("compile_threads", 2, "Threads that compile the programs needed before "
                      "the server is ready (XLA:CPU compiles one program per core).")
 flags.DEFINE_bool("strict_compiles", False, "Refuse (fail the step) instead of compiling when a "

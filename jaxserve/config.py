@@ -319,8 +319,10 @@ class EngineConfig:
     # compiles ~7x faster than the one-program stack (G = L) at the same step time
     # (notes/startup.md, scripts/profile_layer_groups.py; measured on CPU only, where the
     # L + 2 calls per step cost nothing measurable). Must divide num_hidden_layers;
-    # unused by the scan (unroll_layers=False), which keeps its one program.
-    layers_per_program: int = 1
+    # unused by the scan (unroll_layers=False), which keeps its one program. None: 1 on
+    # CPU; on an accelerator L (one program per bucket, as a CUDA graph: a step there is
+    # short enough that L + 2 launches would show, and that was never measured).
+    layers_per_program: int | None = None
     # Refuse (RuntimeError) a step whose program warm-up did not build, instead of
     # compiling it late with an ERROR log (on in the test suite).
     strict_compiles: bool = False
@@ -345,8 +347,9 @@ class EngineConfig:
                  f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size!r} must be a "
                  f"positive int")
         L = self.model.num_hidden_layers
-        _require(isinstance(self.layers_per_program, int) and 1 <= self.layers_per_program <= L
-                 and L % self.layers_per_program == 0,
+        _require(self.layers_per_program is None or (
+                     isinstance(self.layers_per_program, int) and 1 <= self.layers_per_program
+                     <= L and L % self.layers_per_program == 0),
                  f"EngineConfig.layers_per_program={self.layers_per_program!r} must be a "
                  f"divisor of num_hidden_layers={L}")
         _require(isinstance(self.compile_threads, int) and self.compile_threads >= 1,

@@ -281,7 +281,10 @@ class ModelRunner:
             place=functools.partial(self.tp.place_params, alias_host=owned))
         # Layer-group programs (`jaxserve.layer_stack`) with unrolled layers; the scan keeps
         # the one-program stack over the stacked [L, ...] weights and cache.
-        self.group = config.layers_per_program if config.unroll_layers else None
+        self.group = None
+        if config.unroll_layers:
+            self.group = config.layers_per_program or (
+                1 if jax.default_backend() == "cpu" else self.cfg.num_hidden_layers)
         self.kv_cache = self._zero_kv_cache()
         stack_sh, head_sh, score_sh = self._jit_shardings()
         self._stack_jit = jax.jit(functools.partial(_stack_fn, self.model_cfg, self.backend),
