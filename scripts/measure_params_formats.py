@@ -21,26 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-def _unflat(flat: dict) -> dict:
-    tree: dict = {}
-    for k, v in flat.items():
-        *parents, leaf = k.split(".")
-        d = tree
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[leaf] = v
-    return tree
+from jaxserve.checkpoint.cache import _flatten as _flat, _unflatten as _unflat
 
 
 def _status(key: str) -> int:
