@@ -58,8 +58,10 @@ flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to split the model over
                      "tensor parallelism; must divide the query heads, and divide or be a "
                      "multiple of the KV heads).")
 flags.DEFINE_bool("static_batching", False, "Admit a batch and add nothing until all of it finishes.")
-flags.DEFINE_string("compile_cache_dir", "checkpoints/jax_compile_cache",
-                    "Persistent JAX compilation cache ('' disables).")
+flags.DEFINE_string("compile_cache_dir", "",
+                    "Persistent JAX compilation cache ('' disables; off by default: the "
+                    "executable cache supersedes it, and on XLA:CPU a program JAX loaded "
+                    "from its cache cannot be stored in the executable cache).")
 flags.DEFINE_string("params_cache_dir", "checkpoints/params_cache",
                     "Converted-parameter cache ('' disables).")
 # ---- multi-host (JAX multi-controller: one process per host; jaxserve/multihost.py)
@@ -327,11 +329,14 @@ def cmd_generate() -> int:
 def cmd_serve() -> int:
     from jaxserve.server import serve
 
-    serve(lambda: build_engine("progressive"), host=FLAGS.host, port=FLAGS.port, api_key=FLAGS.api_key,
-          max_queued_requests=FLAGS.max_queued_requests,
-          served_model_name=FLAGS.served_model_name,
-          allowed_weights_dir=FLAGS.allowed_weights_dir,
-          params_cache_dir=FLAGS.params_cache_dir or None)
+    try:
+        serve(lambda: build_engine("progressive"), host=FLAGS.host, port=FLAGS.port,
+              api_key=FLAGS.api_key, max_queued_requests=FLAGS.max_queued_requests,
+              served_model_name=FLAGS.served_model_name,
+              allowed_weights_dir=FLAGS.allowed_weights_dir,
+              params_cache_dir=FLAGS.params_cache_dir or None)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down already and re-raises SIGINT
+        return 130  # the shell's status for SIGINT, without a traceback
     return 0
 
 

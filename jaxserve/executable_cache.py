@@ -262,7 +262,10 @@ class ExecutableCache:
         path = self.path(parts)
         name = f"{parts['family']} {parts['size']}"
         if not path.is_file():
-            logger.info("executable cache miss for %s: %s", name, self._why_missed(parts))
+            # DEBUG: one line per program would flood a normal start (the warm-up summary
+            # counts what was restored); -v shows why each one missed.
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("executable cache miss for %s: %s", name, self._why_missed(parts))
             return None
         try:
             header, payload = self._read(path)

@@ -73,8 +73,9 @@ class LLM:
       model: a .gguf file or an HF directory; None for the default SmolLM2
         model fetched by `make model`.
       dtype: "float32" or "bfloat16".
-      compile_cache_dir: JAX's persistent compilation cache (None: off), so a
-        second process skips compiling the bucket programs.
+      compile_cache_dir: JAX's persistent compilation cache (None, the default: off;
+        the executable cache supersedes it, and on XLA:CPU a program loaded from
+        JAX's cache cannot be stored in the executable cache).
       executable_cache_dir: serialized compiled programs (None: off), so a second
         process skips tracing them too (`jaxserve.executable_cache`). Warm-up is
         full by default (`warmup="progressive"` is an engine argument).
@@ -89,7 +90,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32",
-                 compile_cache_dir: str | None = "checkpoints/jax_compile_cache",
+                 compile_cache_dir: str | None = None,
                  executable_cache_dir: str | None = "checkpoints/executable_cache",
                  engine: LLMEngine | None = None, **engine_args: Any):
         if engine is not None and (model is not None or engine_args):

@@ -23,7 +23,7 @@ _SCRIPT = textwrap.dedent("""
     import json, logging, sys
     sys.path.insert(0, "tests")
     logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
-    logging.getLogger("jaxserve.executable_cache").setLevel(logging.INFO)
+    logging.getLogger("jaxserve.executable_cache").setLevel(logging.DEBUG)
     from conftest import tiny_params
     from jaxserve.engine import LLMEngine, make_engine_config
     from jaxserve.model_runner import enable_executable_cache
