@@ -11,6 +11,10 @@ Points:
                        are written to the temporary entry, before meta.json.
   params_cache_rename  inside `checkpoint.cache.save`, with the temporary entry
                        complete, just before it is renamed into place.
+  params_cache_pause   not a crash: `checkpoint.cache.save` sleeps 3 s after the
+                       .npy leaves are written, so a test's SIGKILL from outside
+                       lands mid-write (a tiny model's save is over in a
+                       millisecond, too fast to catch by polling).
   compile_cache_write  inside JAX's persistent compilation-cache write: half of
                        the executable's bytes are written to the final file
                        (JAX's `LRUCache.put` writes in place, not atomically),
@@ -25,7 +29,8 @@ import signal
 
 log = logging.getLogger(__name__)
 ENV = "JAXSERVE_FAULT"
-POINTS = ("params_cache_write", "params_cache_rename", "compile_cache_write")
+POINTS = ("params_cache_write", "params_cache_rename", "params_cache_pause",
+          "compile_cache_write")
 
 
 def armed(name: str) -> bool:
@@ -49,6 +54,15 @@ def crash_point(name: str) -> None:
         log.error("fault injection: killing pid %d at %s", os.getpid(), name)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause_point(name: str, seconds: float = 3.0) -> None:
+    """Sleep `seconds` here if `name` is armed (a window for an outside kill)."""
+    if armed(name):
+        import time
+
+        log.warning("fault injection: pausing %.1f s at %s", seconds, name)
+        time.sleep(seconds)
 
 
 def arm_compile_cache() -> None:

@@ -150,7 +150,9 @@ def test_kill_9_mid_load_then_clean_restart(reference, tmp_path, phase):
     if phase == "traffic":
         shutil.copytree(warm / "params", tmp_path / "params")
         shutil.copytree(warm / "compile", tmp_path / "compile")
-    srv = Server(tmp_path)
+    # The tiny model's params save takes ~1 ms: a pause after its leaves are written keeps
+    # the temporary entry on disk long enough for this kill from outside to land in it.
+    srv = Server(tmp_path, fault="params_cache_pause" if phase == "params_cache" else None)
     deadline = time.monotonic() + START_TIMEOUT_S
     if phase == "traffic":
         srv.wait_healthy()

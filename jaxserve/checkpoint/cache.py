@@ -237,6 +237,7 @@ def save(entry: Path, cfg: ModelConfig, params: dict, tok: Tokenizer) -> None:
             np.save(tmp / f"{name}.npy", a, allow_pickle=False)
             leaves[name] = [a.dtype.name, list(a.shape)]
         faults.crash_point("params_cache_write")
+        faults.pause_point("params_cache_pause")
         meta = {"format": FORMAT, "config": dataclasses.asdict(cfg), "tokenizer": tok.to_state(),
                 "leaves": leaves}
         (tmp / "meta.json").write_text(json.dumps(meta))
