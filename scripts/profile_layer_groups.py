@@ -45,15 +45,15 @@ def main() -> None:
 
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
+    from jaxserve.layer_stack import embed_fn, final_fn, layers_fn
     from jaxserve.model import llama
     from jaxserve.model.attention.xla import XlaBackend
 
     cfg, tree, _ = load_model(resolve_model_path(None), dtype="float32", progress=False)
     params = llama.prepare_params(cfg, tree, unroll_layers=True)
     del tree
-    L, K, D, E = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    L, K, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     groups = [int(g) for g in args.groups.split(",")]
-    inv_freq = jnp.asarray(llama.rope_inv_freq(cfg))
     be = XlaBackend(block_size=16)
     n = args.pool_blocks
     rng = np.random.default_rng(2)
@@ -61,18 +61,10 @@ def main() -> None:
           for _ in range(2)]
     t_pad, s_pad = args.t_pad, args.s_pad
 
-    def group_fn(lps, kcs, vcs, x, pos, md):
-        attn = llama.paged_attn(cfg, md, be)
-        ko, vo = [], []
-        for lp, kc, vc in zip(lps, kcs, vcs):
-            x, (kc, vc) = llama.decoder_layer(cfg, x, lp, pos, inv_freq, attn, (kc, vc), None)
-            ko.append(kc)
-            vo.append(vc)
-        return x, ko, vo
-
-    embed = jax.jit(lambda e, ids: e[ids])
+    group_fn = functools.partial(layers_fn, cfg, be)  # the engine's layer-group program
+    embed = jax.jit(embed_fn)
     final = jax.jit(lambda p, x, li: llama.compute_logits(
-        cfg, p, llama.rms_norm(x, p["final_norm"], cfg.rms_norm_eps)[li]))
+        cfg, p, final_fn(cfg, p["final_norm"], x, li)[0]))
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, t_pad, dtype=np.int32))
     li = jnp.arange(s_pad, dtype=jnp.int32)
     head_params = {k: v for k, v in params.items() if k != "layers"}
