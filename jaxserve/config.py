@@ -262,10 +262,13 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
     bucket_policy: Literal["pow2", "pow2_linear"] = "pow2"
     bucket_gap: int = 64  # linear step for "pow2_linear"
-    min_token_bucket: int = 8
-    # Sequence buckets only size the logits/sampler rows, which cost little next
-    # to a program compile (~13 s for SmolLM2 on CPU), so small ones are merged.
-    min_seq_bucket: int = 8
+    # Buckets down to one token / one row: XLA:CPU runs a one-row step's matmuls as a
+    # GEMV at ~19 GB/s against ~4-5 GB/s for its 2-64-row GEMMs, so a decode step of
+    # SmolLM2 with one row left costs ~75 ms at T_pad 1 against ~150 ms at T_pad 8, and
+    # seed8 at 8 seqs runs 1.57x faster (notes/perf.md, fifth wave). The extra 3 stack
+    # and 3 head programs add ~9 s to a cold full warm-up.
+    min_token_bucket: int = 1
+    min_seq_bucket: int = 1
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     static_batching: bool = False  # admit a batch, add nothing until all of it finishes

@@ -33,7 +33,10 @@ serves one process or JAX's multi-controller runtime (`jaxserve.multihost`).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import mmap
+import sys
 from typing import Any, Callable
 
 import jax
@@ -279,11 +282,16 @@ class TensorParallel:
             lambda idx: private_host_copy(x[idx]) if copy else np.ascontiguousarray(x[idx]))
 
     def zeros(self, shape: tuple[int, ...], dtype, sharding: NamedSharding | None) -> jax.Array:
-        """A zero array, each device filled with only its shard."""
+        """A zero array, each device filled with only its shard. On CPU its memory pages
+        are handed back to the OS (`release_zero_pages`): the KV cache's resident memory
+        then grows only as blocks are written."""
         if sharding is None:
-            return jax.numpy.zeros(shape, dtype)
-        local = sharding.shard_shape(shape)
-        return jax.make_array_from_callback(shape, sharding, lambda idx: np.zeros(local, dtype))
+            out = jax.numpy.zeros(shape, dtype)
+        else:
+            local = sharding.shard_shape(shape)
+            out = jax.make_array_from_callback(shape, sharding, lambda idx: np.zeros(local, dtype))
+        release_zero_pages(out)
+        return out
 
     def put_batch(self, host: Any) -> Any:
         """A step's host arrays on every device of the mesh (replicated): ONE device_put."""
@@ -333,6 +341,50 @@ class OwnedHostParams:
 
 
 ALIGN = 64  # bytes: XLA:CPU's minimum alignment for a buffer it does not own
+
+
+_MADV_DONTNEED = 4  # Linux <sys/mman.h>
+_madvise: Any = None
+
+
+def release_zero_pages(x: jax.Array) -> int:
+    """Hand the whole memory pages of an all-zero CPU array back to the OS; the bytes released.
+
+    `madvise(MADV_DONTNEED)` on a private anonymous mapping (where XLA:CPU's allocator
+    puts its buffers) drops the pages, and the next read of one maps a zero page: the
+    array's values stay zero and it stops counting in the process's RSS until a page is
+    written. The paged KV cache is ~520 MiB allocated up front; this makes its resident
+    size follow the KV blocks in use, as llama.cpp's lazily touched buffers do (the
+    side-by-side's peak-RSS row, notes/perf.md). Only the pages wholly inside each
+    shard's buffer are released. A no-op (0) off Linux, off CPU, or if x is not an
+    all-zero array that this process alone holds (the caller's promise: it has just
+    made x with `zeros`).
+    """
+    global _madvise
+    if not sys.platform.startswith("linux"):
+        return 0
+    if _madvise is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise.restype = ctypes.c_int
+            _madvise = libc.madvise
+        except (OSError, AttributeError):
+            _madvise = False
+    if not _madvise:
+        return 0
+    page = mmap.PAGESIZE
+    released = 0
+    for shard in x.addressable_shards:
+        buf = shard.data
+        if buf.devices().pop().platform != "cpu":
+            continue
+        buf.block_until_ready()
+        ptr, n = buf.unsafe_buffer_pointer(), buf.nbytes
+        start, end = -(-ptr // page) * page, (ptr + n) // page * page
+        if end > start and _madvise(start, end - start, _MADV_DONTNEED) == 0:
+            released += end - start
+    return released
 
 
 def align_host_leaves(tree: Any, align: int = ALIGN) -> Any:

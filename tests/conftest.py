@@ -80,8 +80,11 @@ def tiny_engine(**engine_args):
     key = tuple(sorted(engine_args.items()))
     if key not in _ENGINES:
         cfg, params = tiny_params()
+        # Buckets from 8 (not the default 1): fewer programs per engine keeps the suite
+        # fast; test_c24 runs the default's 1-, 2- and 4-token / row buckets.
         args = dict(max_model_len=256, block_size=4, num_kv_blocks=256, max_num_seqs=8,
-                    max_num_batched_tokens=64, attention_backend="xla",
+                    max_num_batched_tokens=64, attention_backend="xla", min_token_bucket=8,
+                    min_seq_bucket=8,
                     strict_compiles=True)  # a step without a warm-up program is a bug: refuse
         args.update(engine_args)
         config = make_engine_config(cfg, **args)

@@ -195,16 +195,26 @@ def test_c05_forced_preemption_resumes_exactly(when):
 def test_c24_bucket_schemes_agree_and_never_recompile():
     a = tiny_engine()
     b = tiny_engine(token_buckets=(8, 24, 40, 64), seq_buckets=(3, 8))
+    # The engine default: buckets down to 1 token and 1 row (the T_pad = 1 program writes
+    # its one KV row with a dynamic-update-slice and has no prefill-tile loop).
+    c = tiny_engine(min_token_bucket=1, min_seq_bucket=1)
+    assert c.bucket_policy.token_buckets[:4] == (1, 2, 4, 8)
+    assert c.bucket_policy.seq_buckets == (1, 2, 4, 8)
     prompts = [prompt_of(n, salt=n) for n in (1, 7, 8, 9, 23, 24, 25, 40, 41, 63, 64)]
     reqs = [(f"q{i}", p, greedy(12, logprobs=2)) for i, p in enumerate(prompts)]
-    da, db = run_all(a, reqs), run_all(b, reqs)
-    for rid, _, _ in reqs:
-        oa, ob = da[rid].outputs[0], db[rid].outputs[0]
+    alone = [("solo", prompt_of(5, salt=99), greedy(20, logprobs=2))]  # T_pad 1 decode steps
+    da, db, dc = run_all(a, reqs), run_all(b, reqs), run_all(c, reqs)
+    da.update(run_all(a, alone))
+    dc.update(run_all(c, alone))
+    for rid, other in [(r, db) for r, _, _ in reqs] + [(r, dc) for r, _, _ in reqs + alone]:
+        oa, ob = da[rid].outputs[0], other[rid].outputs[0]
         assert oa.token_ids == ob.token_ids, rid
         for la, lb in zip(oa.logprobs, ob.logprobs):
             for t in la:
                 assert abs(la[t] - lb[t]) < 1e-5
-    for e in (a, b):
+    steps = c.get_stats()["bucket_stats"]
+    assert steps[1]["steps"] > 0 and steps[2]["steps"] + steps[4]["steps"] > 0
+    for e in (a, b, c):
         stats = e.get_stats()
         assert stats["num_compiles_after_warmup"] == 0
         used = {bk for bk, s in stats["bucket_stats"].items() if s["steps"] > 0}

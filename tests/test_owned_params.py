@@ -3,6 +3,8 @@ over by the CLI becomes the device buffers; a tree passed bare is always copied.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -126,3 +128,82 @@ def test_tensor_parallel_placement_copies_a_bare_tree():
     # (what `private` exists to prevent); private: no shard is the caller's memory.
     assert rows[0] == ["False", "True", "True"]
     assert rows[2:] == [["True", "False", "True"]] * 2
+
+
+def _rss_anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("RssAnon:")) / 1024
+
+
+def _resident_bytes(x) -> int:
+    """Bytes of x's buffer in resident pages, by mincore(2) (whole pages inside it)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    ptr, n = x.unsafe_buffer_pointer(), x.nbytes
+    start, end = -(-ptr // page) * page, (ptr + n) // page * page
+    vec = (ctypes.c_ubyte * ((end - start) // page))()
+    assert libc.mincore(start, end - start, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * page
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not sys.platform.startswith("linux"),
+                    reason="madvise of CPU buffers (Linux)")
+def test_zero_kv_pages_are_released_and_read_back_as_zero_then_fill_in_place():
+    import jax.numpy as jnp
+
+    from jaxserve.parallel import TensorParallel, release_zero_pages
+
+    tp = TensorParallel(tiny_params()[0], 1)
+    before = _rss_anon_mib()
+    x = tp.zeros((256, 64, 1024), jnp.float32, None)  # 64 MiB, as one layer's K cache
+    x.block_until_ready()
+    assert _resident_bytes(x) == 0  # released: no page of it is resident ...
+    assert float(x.max()) == float(x.min()) == 0.0  # ... and it still reads as zeros
+    # (a read maps the shared zero page, which mincore counts but RSS does not)
+    assert _rss_anon_mib() - before < 32
+    ptr = x.unsafe_buffer_pointer()
+    write = jax.jit(lambda c, i: c.at[i].set(7.0), donate_argnums=0)  # a KV write, donated
+    y = write(x, 3)
+    assert y.unsafe_buffer_pointer() == ptr  # updated in place, as the layer programs do
+    assert float(y[3].min()) == float(y[3].max()) == 7.0
+    assert _rss_anon_mib() - before < 32  # the write made only row 3's 256 KiB resident
+    assert float(jnp.abs(y[:3]).max()) == 0.0 and float(jnp.abs(y[4:]).max()) == 0.0
+    # The release is page-granular: only the pages wholly inside the buffer, and a small
+    # (sub-page) array releases nothing.
+    assert release_zero_pages(jnp.zeros((100,), jnp.float32)) == 0
+    assert release_zero_pages(jnp.zeros((4096,), jnp.float32)) >= 4096 * 4 - 2 * 4096
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not sys.platform.startswith("linux"),
+                    reason="madvise of CPU buffers (Linux)")
+def test_an_engine_kv_cache_is_resident_only_where_written(monkeypatch):
+    from jaxserve import parallel
+    from jaxserve.engine import LLMEngine, make_engine_config
+    from jaxserve.model_runner import kv_bytes_per_block
+
+    cfg, _ = tiny_params()
+    blocks = (96 << 20) // kv_bytes_per_block(cfg, 4)  # a ~96 MiB pool of 4-token blocks
+
+    def engine():
+        config = make_engine_config(cfg, max_model_len=64, block_size=4, num_kv_blocks=blocks,
+                                    max_num_seqs=2, max_num_batched_tokens=8,
+                                    token_buckets=(8,), seq_buckets=(2,), attention_backend="xla",
+                                    strict_compiles=True, enable_prompt_logprobs=False)
+        return LLMEngine(config, jax.tree.map(np.copy, tiny_params()[1]), progress=False)
+
+    prompt = [5, 9, 13, 21, 34, 7]
+    lazy = engine()
+    caches = jax.tree.leaves(lazy.runner.kv_cache)
+    total = sum(c.nbytes for c in caches)
+    # The warm-up's padding steps write only the null block 0: ~1 page per buffer.
+    assert sum(_resident_bytes(c) for c in caches) <= len(caches) * 2 * 4096 < total // 100
+    got = _greedy(lazy, prompt)
+    # 6 prompt + 5 generated tokens write 3 blocks per layer buffer: a page or two each.
+    resident = sum(_resident_bytes(c) for c in jax.tree.leaves(lazy.runner.kv_cache))
+    assert resident <= len(caches) * 6 * 4096, resident
+    monkeypatch.setattr(parallel, "release_zero_pages", lambda x: 0)  # a touched, zeroed pool
+    assert got == _greedy(engine(), prompt)

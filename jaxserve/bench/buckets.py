@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block_size", type=int, default=16)
     p.add_argument("--num_kv_blocks", type=int, default=2048)
     p.add_argument("--min_token_bucket", type=int, default=8,
-                   help="fit:K buckets start here (a smaller step is no cheaper on a CPU)")
+                   help="fit:K buckets start here (StepCost's old CPU probe: no cheaper below "
+                        "8; the engine's own default is 1 since notes/perf.md's fifth wave)")
     p.add_argument("--ignore_arrivals", action="store_true", help="all requests at t=0")
     p.add_argument("--dry_run", action="store_true", help="fake runner, no model (seconds)")
     p.add_argument("--step_cost_ms", default=None, help="dry-run cost model FIXED,PER_TOKEN[,PER_SEQ]")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,59 @@ def test_write_kv_matches_reference(backend, stacked):
         # block 0 receives the padding tokens' rows in an unspecified order
         np.testing.assert_array_equal(g[:, 1:], w[:, 1:])
     assert np.any(np.asarray(got[0])[layer, 1:] != kc[layer, 1:])  # something was written
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per_layer"])
+@pytest.mark.parametrize("slot", [0, 37, N * B - 1], ids=["null_block", "mid", "last_slot"])
+def test_xla_write_kv_one_token_matches_reference_in_place(stacked, slot):
+    # T = 1 takes `write_one_row` (a dynamic-update-slice, not the scatter): the one row
+    # lands at its slot, every other slot keeps its value (NaN-poisoned here: no NaN may
+    # move or vanish), and the donated per-layer program updates the cache in place: no
+    # copy of a whole cache in the compiled HLO (XLA's scatter form copied it ~5 times).
+    be = XlaBackend(block_size=B)
+    rng = np.random.default_rng(slot)
+    kc = rng.standard_normal((L, N, B, K, D)).astype(np.float32)
+    vc = rng.standard_normal((L, N, B, K, D)).astype(np.float32)
+    kc[:, 3], vc[:, 5] = np.nan, np.nan
+    k = rng.standard_normal((1, K, D)).astype(np.float32)
+    v = rng.standard_normal((1, K, D)).astype(np.float32)
+    common = CommonAttentionMetadata(
+        slot_mapping=np.array([slot], np.int32), query_start_loc=np.array([0, 1], np.int32),
+        seq_lens=np.array([slot % B + 1], np.int32),
+        block_table=np.array([[slot // B]], np.int32), num_seqs=np.array([1], np.int32))
+    md = jax.tree.map(jnp.asarray, be.prepare(common))
+    layer = 2
+    if stacked:
+        got = _write_fn(be, True)(kc, vc, k, v, md, jnp.int32(layer))
+        got = tuple(np.asarray(x)[layer] for x in got)
+    else:
+        def f(kc, vc, k, v, md):  # as in a layer: the written caches feed attention too
+            kc, vc = be.write_kv(kc, vc, k, v, md, layer=None)
+            q = jnp.ones((1, H, D), jnp.float32)
+            return kc, vc, be.attention(q, kc, vc, md, layer=None, sm_scale=0.5)
+        f = jax.jit(f, donate_argnums=(0, 1))
+        hlo = f.lower(kc[layer], vc[layer], k, v, md).compile().as_text()
+        assert not re.search(rf"f32\[(1,)?{N},{B},{K},{D}\]\{{[0-9,]*\}} copy\(", hlo)
+        got = tuple(np.asarray(x) for x in f(jnp.asarray(kc[layer]), jnp.asarray(vc[layer]),
+                                              k, v, md)[:2])
+    want_k, want_v = kc[layer].copy(), vc[layer].copy()
+    want_k[slot // B, slot % B], want_v[slot // B, slot % B] = k[0], v[0]
+    np.testing.assert_array_equal(got[0], want_k)  # NaN == NaN at the same places
+    np.testing.assert_array_equal(got[1], want_v)
+
+
+@pytest.mark.parametrize("impl", ["native", "online"])
+@pytest.mark.parametrize("s_pad", [1, 16])
+def test_xla_one_token_step_matches_float64_reference(impl, s_pad):
+    # A T_pad = 1 step (the default's smallest bucket): one decode row at long context,
+    # no prefill-tile loop in the program; NaN-poisoned unused pages must not leak.
+    be = XlaBackend(block_size=16, decode_impl=impl)
+    for seq_len in (1, 17, 700):
+        batch = random_batch(np.random.default_rng(seq_len), q_lens=[1], seq_lens=[seq_len],
+                             num_tokens=1, num_seqs=s_pad, max_blocks_per_seq=64,
+                             num_kv_blocks=-(-seq_len // 16) + 9, block_size=16, num_heads=9,
+                             num_kv_heads=3, head_dim=64)
+        _assert_matches_float64_reference(be, batch)
 
 
 def test_scan_over_layers_with_cache_carry_matches_per_layer_calls():
