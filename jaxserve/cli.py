@@ -32,6 +32,9 @@ flags.DEFINE_integer("max_model_len", None, "Most positions (prompt + output) of
 flags.DEFINE_integer("long_prefill_token_threshold", 0, "Cap on one prompt's chunk per step (0: none).")
 flags.DEFINE_enum("bucket_policy", "pow2", ["pow2", "pow2_linear"], "How token/seq buckets are built.")
 flags.DEFINE_integer("bucket_gap", 64, "Linear step of the pow2_linear policy.")
+flags.DEFINE_integer("min_token_bucket", 1, "Smallest token bucket the policy builds (8 was "
+                     "the default before one-row steps got their own program).")
+flags.DEFINE_integer("min_seq_bucket", 1, "Smallest sequence bucket the policy builds.")
 flags.DEFINE_list("token_buckets", None, "Explicit token buckets (the last must equal max_num_batched_tokens).")
 flags.DEFINE_list("seq_buckets", None, "Explicit sequence buckets (the last must equal max_num_seqs).")
 flags.DEFINE_enum("attention_backend", "auto",
@@ -112,6 +115,7 @@ def engine_args_from_flags() -> dict[str, Any]:
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
         bucket_policy=FLAGS.bucket_policy, bucket_gap=FLAGS.bucket_gap,
+        min_token_bucket=FLAGS.min_token_bucket, min_seq_bucket=FLAGS.min_seq_bucket,
         scheduling_policy=FLAGS.scheduling_policy, attention_backend=FLAGS.attention_backend,
         enable_prefix_caching=FLAGS.enable_prefix_caching, static_batching=FLAGS.static_batching,
         unroll_layers=FLAGS.unroll_layers, layers_per_program=FLAGS.layers_per_program,

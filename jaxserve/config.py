@@ -266,7 +266,8 @@ class SchedulerConfig:
     # GEMV at ~19 GB/s against ~4-5 GB/s for its 2-64-row GEMMs, so a decode step of
     # SmolLM2 with one row left costs ~75 ms at T_pad 1 against ~150 ms at T_pad 8, and
     # seed8 at 8 seqs runs 1.57x faster (notes/perf.md, fifth wave). The extra 3 stack
-    # and 3 head programs add ~9 s to a cold full warm-up.
+    # and 3 head programs (and 3 score programs with prompt logprobs) add ~9 s to a cold
+    # full warm-up; `--min_token_bucket=8 --min_seq_bucket=8` restores the old set.
     min_token_bucket: int = 1
     min_seq_bucket: int = 1
     token_buckets: tuple[int, ...] | None = None
@@ -336,7 +337,8 @@ class EngineConfig:
     # checked against the heads and the devices by the runner, before any compile.
     tensor_parallel_size: int = 1
     # "full": every program is built before the engine is ready. "progressive": ready once
-    # the smallest token bucket's programs (and the heads its steps can need) are built;
+    # the programs of the token buckets up to 8 tokens (model_runner.READY_TOKENS) and the
+    # heads their steps can need are built;
     # the rest compile in a background thread while steps are capped at the largest
     # ready bucket (`BucketPolicy.program_stages`).
     warmup: Literal["full", "progressive"] = "full"

@@ -124,6 +124,10 @@ def enable_executable_cache(cache_dir: str | None) -> None:
 
 
 _WARMING_RUNNERS: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
+# Progressive warm-up is ready once every token bucket up to this many tokens is built
+# (`BucketPolicy.program_stages(ready_tokens=)`): with the default buckets from 1 token,
+# a 1-token cap would prefill a prompt one token a step until the next stages compile.
+READY_TOKENS = 8
 
 
 @atexit.register
@@ -640,7 +644,8 @@ class ModelRunner:
         mode (None: `config.warmup`):
           "full": returns once every program is ready.
           "progressive": returns once stage 0 of `BucketPolicy.program_stages()` is
-            ready (the smallest token bucket's programs and every seq-bucket program)
+            ready (the programs of every token bucket up to `READY_TOKENS` = 8 tokens and
+            the seq-bucket programs a step of that many tokens can need)
             with the policy's `token_cap` at that bucket; a daemon thread builds the
             larger token buckets in order and raises the cap as each one is ready (the
             scheduler never plans a step whose program is missing; a step never waits
@@ -651,7 +656,8 @@ class ModelRunner:
         mode = mode or getattr(self.config, "warmup", "full")
         if mode not in ("full", "progressive"):
             raise ValueError(f"warmup mode={mode!r} must be 'full' or 'progressive'")
-        stages = self.bucket_policy.program_stages(score=self.score_enabled)
+        stages = self.bucket_policy.program_stages(score=self.score_enabled,
+                                                   ready_tokens=READY_TOKENS)
         total = sum(len(keys) for _, keys in stages)
         st = self._stats
         st.warmup_programs = total

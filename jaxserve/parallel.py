@@ -356,9 +356,13 @@ def release_zero_pages(x: jax.Array) -> int:
     written. The paged KV cache is ~520 MiB allocated up front; this makes its resident
     size follow the KV blocks in use, as llama.cpp's lazily touched buffers do (the
     side-by-side's peak-RSS row, notes/perf.md). Only the pages wholly inside each
-    shard's buffer are released. A no-op (0) off Linux, off CPU, or if x is not an
-    all-zero array that this process alone holds (the caller's promise: it has just
-    made x with `zeros`).
+    shard's buffer are released; a no-op (0) off Linux or for non-CPU shards.
+
+    Precondition (not checked): x is all zero and this process alone holds its buffers
+    (`TensorParallel.zeros` has just made it). On any other array the released pages
+    would read back as zeros. With transparent huge pages set to "always" (this VM:
+    "madvise"), a write may fault in a 2 MiB page and khugepaged may collapse released
+    ranges, so the saving depends on that setting.
     """
     global _madvise
     if not sys.platform.startswith("linux"):
@@ -380,7 +384,10 @@ def release_zero_pages(x: jax.Array) -> int:
         if buf.devices().pop().platform != "cpu":
             continue
         buf.block_until_ready()
-        ptr, n = buf.unsafe_buffer_pointer(), buf.nbytes
+        try:
+            ptr, n = buf.unsafe_buffer_pointer(), buf.nbytes
+        except (RuntimeError, ValueError, AttributeError):  # no raw pointer: leave it resident
+            continue
         start, end = -(-ptr // page) * page, (ptr + n) // page * page
         if end > start and _madvise(start, end - start, _MADV_DONTNEED) == 0:
             released += end - start

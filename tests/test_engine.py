@@ -195,8 +195,9 @@ def test_c05_forced_preemption_resumes_exactly(when):
 def test_c24_bucket_schemes_agree_and_never_recompile():
     a = tiny_engine()
     b = tiny_engine(token_buckets=(8, 24, 40, 64), seq_buckets=(3, 8))
-    # The engine default: buckets down to 1 token and 1 row (the T_pad = 1 program writes
-    # its one KV row with a dynamic-update-slice and has no prefill-tile loop).
+    # The engine's default bucket floor (tiny_engine pins 8): buckets down to 1 token and 1
+    # row (the T_pad = 1 program writes its one KV row with a dynamic-update-slice and has
+    # no prefill-tile loop).
     c = tiny_engine(min_token_bucket=1, min_seq_bucket=1)
     assert c.bucket_policy.token_buckets[:4] == (1, 2, 4, 8)
     assert c.bucket_policy.seq_buckets == (1, 2, 4, 8)

@@ -50,6 +50,15 @@ def test_program_stages_partition_program_keys():
     assert p.token_budget == 64
     p.token_cap = 16
     assert p.token_budget == 16
+    # ready_tokens (the runner's READY_TOKENS = 8): stage 0 takes every bucket up to it.
+    q = BucketPolicy((1, 2, 4, 8, 16), (1, 2, 4, 8))
+    stages = q.program_stages(ready_tokens=8)
+    assert [cap for cap, _ in stages] == [8, 16]
+    assert set(stages[0][1]) == {("stack", t) for t in (1, 2, 4, 8)} | {
+        ("head", s) for s in (1, 2, 4, 8)}
+    assert stages[1][1] == [("stack", 16)]
+    assert [cap for cap, _ in q.program_stages(ready_tokens=3)] == [2, 4, 8, 16]
+    assert [cap for cap, _ in q.program_stages()] == [1, 2, 4, 8, 16]
 
 
 def test_scheduler_never_plans_past_the_token_cap():

@@ -30,6 +30,8 @@ TINY_HEADS = dict(num_attention_heads=8, num_key_value_heads=2, vocab_size=68)
 TINY_ENGINE = dict(max_model_len=64, block_size=4, num_kv_blocks=16, max_num_seqs=4,
                    max_num_batched_tokens=16, token_buckets=(8, 16), seq_buckets=(4,),
                    strict_compiles=True)
+# The xla runs add the default's one-token / one-row buckets (the T_pad 1 KV write under TP).
+XLA_BUCKETS = dict(token_buckets=(1, 8, 16), seq_buckets=(1, 4))
 PROMPTS = [list(range(3, 3 + 5 + 7 * i)) for i in range(5)]
 
 
@@ -93,7 +95,8 @@ def engine_group(backend: str, interpret: bool, tps: tuple[str, ...], *, prompts
         tp = int(name.rstrip("r"))
         be = "xla" if tp == 1 else backend  # TP = 1 on xla: the reference
         config = make_engine_config(cfg, attention_backend=be, attention_interpret=interpret
-                                    and be != "xla", tensor_parallel_size=tp, **TINY_ENGINE)
+                                    and be != "xla", tensor_parallel_size=tp,
+                                    **{**TINY_ENGINE, **(XLA_BUCKETS if backend == "xla" else {})})
         runner = ModelRunner(config, params, bucket_policy=BucketPolicy.from_config(
             config.scheduler), vocab_parallel=False if name.endswith("r") else None)
         eng = LLMEngine(config, runner=runner, progress=False)
@@ -102,7 +105,8 @@ def engine_group(backend: str, interpret: bool, tps: tuple[str, ...], *, prompts
              "backend": eng.runner.backend.name,
              "sharded": type(eng.runner.backend).__name__, **_shards(eng.runner)}
         st = eng.get_stats()
-        r.update(preemptions=st["num_preemptions"], late=st["num_compiles_after_warmup"],
+        r.update(t1_steps=st["bucket_stats"].get(1, {}).get("steps", 0),
+                 preemptions=st["num_preemptions"], late=st["num_compiles_after_warmup"],
                  programs=st["warmup_programs"], free=st["num_free_blocks"],
                  total=st["num_total_blocks"])
         if name in ("2", "4") and backend == "xla":  # weights swap: same shardings, no recompile

@@ -210,7 +210,8 @@ class BucketPolicy:
     # here is merely built early: still correct). Another family per T_pad adds its name.
     TOKEN_FAMILIES = ("stack", "score")
 
-    def program_stages(self, *, score: bool = False) -> list[tuple[int, list[tuple[str, int]]]]:
+    def program_stages(self, *, score: bool = False, ready_tokens: int = 1
+                       ) -> list[tuple[int, list[tuple[str, int]]]]:
         """`program_keys(score=score)` grouped for progressive warm-up: [(token_cap, keys)], in order.
 
         Stage i holds the programs first needed once steps may hold up to token bucket
@@ -219,6 +220,9 @@ class BucketPolicy:
         as in `all_shapes`). Once stages 0..i are built, every step of at most T_i tokens
         has all its programs, so the scheduler may plan up to `token_cap = T_i`. A key
         of neither kind lands in stage 0 (built before ready: never missing).
+        `ready_tokens`: stage 0 also takes every stage of a token bucket <= ready_tokens,
+        so the first cap is at least that (the runner passes 8: with buckets from 1 token
+        a server that is ready at a 1-token cap would prefill one token a step).
         """
         shapes = self.all_shapes()
         seen: set[tuple[str, int]] = set()
@@ -230,6 +234,9 @@ class BucketPolicy:
             seen.update(stage)
             stages.append((t_i, stage))
         stages[0][1].extend(k for k in self.program_keys(score=score) if k not in seen)
+        while len(stages) > 1 and stages[1][0] <= ready_tokens:
+            cap, keys = stages.pop(1)
+            stages[0] = (cap, stages[0][1] + keys)
         return stages
 
     @property

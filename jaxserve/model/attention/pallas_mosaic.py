@@ -129,7 +129,8 @@ class PallasMosaicBackend:
         return mosaic_metadata(c, self.tiles_for(decode=t <= 2 * s))
 
     # The xla backend's KV write (it reads only md.slot_mapping): one XLA scatter per
-    # cache, in place on the donated / scan-carried cache (kernel module docstring).
+    # cache (at T = 1 a dynamic-update-slice, `xla.write_one_row`; not yet run on a GPU),
+    # in place on the donated / scan-carried cache (kernel module docstring).
     write_kv = XlaBackend.write_kv
 
     def attention(self, q, k_cache, v_cache, md: MosaicMetadata, *, layer, sm_scale: float):

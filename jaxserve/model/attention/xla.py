@@ -65,8 +65,9 @@ def write_one_row(k_cache, v_cache, k, v, idx):
     duplicates for each user of the cache (the attention and the output), copying the
     layer cache ~5 times per call: 31-40 ms per layer at 728 blocks, against 4.7 ms for
     the 8-row program. The optimization barrier keeps the one in-place update. The slot
-    is in range (`host_common` checks slot_mapping), so the update's index clamping
-    never moves it.
+    comes from the block manager's block table (padding: the null block 0), so it is in
+    range; unlike the scatter, which drops an out-of-range row, the update would clamp
+    one into the last slot.
     """
     z = jnp.zeros((), jnp.int32)
     at = (*idx, z, z)
@@ -164,7 +165,8 @@ class XlaBackend:
             prefill_num_tiles=pre["num_tiles"])
 
     def write_kv(self, k_cache, v_cache, k, v, md: XlaMetadata, *, layer):
-        """See `AttentionBackend.write_kv`: one XLA scatter per cache."""
+        """See `AttentionBackend.write_kv`: one XLA scatter per cache (at T = 1 one
+        dynamic-update-slice, `write_one_row`)."""
         if layer is None and k.shape[0] == 1 and k_cache.ndim == 4:  # one layer's cache
             bs = k_cache.shape[1]
             slot = md.slot_mapping[0]
