@@ -79,7 +79,8 @@ def so_engine(**kw):
     if key not in _ENGINES:
         cfg, params = tiny_params(vocab_size=MODEL_VOCAB)
         args = dict(max_model_len=192, block_size=4, num_kv_blocks=400, max_num_seqs=8,
-                    max_num_batched_tokens=64, attention_backend="xla", strict_compiles=True)
+                    max_num_batched_tokens=64, attention_backend="xla", strict_compiles=True,
+                    min_token_bucket=8, min_seq_bucket=8)  # buckets from 8: suite time
         args.update(kw)
         _ENGINES[key] = LLMEngine(make_engine_config(cfg, **args), params, ascii_tokenizer(),
                                   model_name="tiny", progress=False)

@@ -64,7 +64,8 @@ def _engine(cfg, params, tok):
     # An 8-token budget chunks every prompt longer than 8 and batches the rest with it.
     config = make_engine_config(cfg, max_model_len=128, block_size=4, num_kv_blocks=128,
                                 max_num_seqs=8, max_num_batched_tokens=8, attention_backend="xla",
-                                max_logprobs=cfg.vocab_size)
+                                max_logprobs=cfg.vocab_size, min_token_bucket=8,
+                                min_seq_bucket=8)  # one bucket each: suite time
     return LLMEngine(config, params, tok, model_name="tiny", progress=False)
 
 
