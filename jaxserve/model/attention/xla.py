@@ -71,9 +71,9 @@ def write_one_row(k_cache, v_cache, k, v, idx):
     """
     z = jnp.zeros((), jnp.int32)
     at = (*idx, z, z)
-    lead = (1,) * len(idx)
-    k_cache = lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype).reshape(*lead, *k.shape[1:]), at)
-    v_cache = lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype).reshape(*lead, *v.shape[1:]), at)
+    row = (1,) * len(idx) + k.shape[1:]  # the update's shape: [1, ..., 1, K, D]
+    k_cache = lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype).reshape(row), at)
+    v_cache = lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype).reshape(row), at)
     return lax.optimization_barrier((k_cache, v_cache))
 
 
@@ -87,9 +87,6 @@ def write_kv_xla(k_cache, v_cache, k, v, slot_mapping, layer):
     """
     bs = k_cache.shape[2]
     blk, off = slot_mapping // bs, slot_mapping % bs  # [T]
-    if k.shape[0] == 1:  # see `write_one_row`
-        idx = (jnp.asarray(layer, jnp.int32).reshape(()), blk[0], off[0])
-        return write_one_row(k_cache, v_cache, k, v, idx)
     k_cache = k_cache.at[layer, blk, off].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, blk, off].set(v.astype(v_cache.dtype))
     return k_cache, v_cache
@@ -167,11 +164,11 @@ class XlaBackend:
     def write_kv(self, k_cache, v_cache, k, v, md: XlaMetadata, *, layer):
         """See `AttentionBackend.write_kv`: one XLA scatter per cache (at T = 1 one
         dynamic-update-slice, `write_one_row`)."""
-        if layer is None and k.shape[0] == 1 and k_cache.ndim == 4:  # one layer's cache
-            bs = k_cache.shape[1]
-            slot = md.slot_mapping[0]
-            return write_one_row(k_cache, v_cache, k, v, (slot // bs, slot % bs))
-        kc, vc, li, one_layer = stacked_cache(k_cache, v_cache, layer)
+        kc, vc, li, one_layer = stacked_cache(k_cache, v_cache, layer)  # checks the ranks
+        if k.shape[0] == 1:  # on the caches as passed: a one-layer cache's [None] view
+            slot = md.slot_mapping[0]  # fused into the update, made XLA copy the cache too
+            at = (slot // self.block_size, slot % self.block_size)
+            return write_one_row(k_cache, v_cache, k, v, at if one_layer else (li, *at))
         kc, vc = write_kv_xla(kc, vc, k, v, md.slot_mapping, li)
         return (kc[0], vc[0]) if one_layer else (kc, vc)
 
