@@ -142,8 +142,8 @@ def build_engine(auto_warmup: str = "full"):
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.model_runner import enable_compilation_cache, enable_executable_cache
-    from jaxserve.parallel import OwnedHostParams, align_host_leaves
+    from jaxserve.worker.model_runner import enable_compilation_cache, enable_executable_cache
+    from jaxserve.distributed.tensor_parallel import OwnedHostParams, align_host_leaves
 
     enable_compilation_cache(FLAGS.compile_cache_dir)
     enable_executable_cache(FLAGS.executable_cache_dir)
@@ -167,7 +167,7 @@ def build_engine(auto_warmup: str = "full"):
     engine.runner.warmup()
     release_host_memory()
     if FLAGS.num_processes > 1:  # the leader: each step is broadcast to the followers
-        from jaxserve.multihost import Leader
+        from jaxserve.distributed.multihost import Leader
 
         Leader(engine.runner)  # stops the followers at exit
     return engine
@@ -185,7 +185,7 @@ def start_multihost() -> bool:
         return False
     if not FLAGS.coordinator_address:
         raise app.UsageError("--num_processes > 1 needs --coordinator_address=host:port")
-    from jaxserve import multihost
+    from jaxserve.distributed import multihost
 
     multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     if FLAGS.process_id == 0:
@@ -193,7 +193,7 @@ def start_multihost() -> bool:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import make_engine_config
-    from jaxserve.model_runner import ModelRunner, enable_compilation_cache
+    from jaxserve.worker.model_runner import ModelRunner, enable_compilation_cache
     from jaxserve.scheduler.buckets import BucketPolicy
 
     enable_compilation_cache(FLAGS.compile_cache_dir)

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
-from jaxserve.input_processor import is_array, split_padded
+from jaxserve.engine.input_processor import is_array, split_padded
 from jaxserve.outputs import RequestOutput, RolloutBatch, ScoreBatch, rollout_arrays
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.validation import is_int
@@ -77,7 +77,7 @@ class LLM:
         the executable cache supersedes it, and on XLA:CPU a program loaded from
         JAX's cache cannot be stored in the executable cache).
       executable_cache_dir: serialized compiled programs (None: off), so a second
-        process skips tracing them too (`jaxserve.executable_cache`). Warm-up is
+        process skips tracing them too (`jaxserve.worker.executable_cache`). Warm-up is
         full by default (`warmup="progressive"` is an engine argument).
       engine: an already-built `LLMEngine` (then `model` is ignored).
       **engine_args: CacheConfig / SchedulerConfig / EngineConfig fields,
@@ -99,7 +99,7 @@ class LLM:
         if engine is None:
             from jaxserve.checkpoint import load_model
             from jaxserve.checkpoint.default import resolve_model_path
-            from jaxserve.model_runner import enable_compilation_cache, enable_executable_cache
+            from jaxserve.worker.model_runner import enable_compilation_cache, enable_executable_cache
 
             enable_compilation_cache(compile_cache_dir)
             enable_executable_cache(executable_cache_dir)

@@ -1,4 +1,4 @@
-"""Per-call CPU cost of jaxserve.sampler.sample at V=49152 (SmolLM2 vocab).
+"""Per-call CPU cost of jaxserve.sample.sampler.sample at V=49152 (SmolLM2 vocab).
 
 Usage: .venv/bin/python scripts/bench_sampler.py [--rows 8 64] [--iters 10]
 Prints the median wall time per jitted call (after one warm-up call) per config.
@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 
-from jaxserve.sampler import SamplingRow, make_sampling_metadata, sample
+from jaxserve.sample.sampler import SamplingRow, make_sampling_metadata, sample
 from jaxserve.sampling_params import SamplingParams
 
 V, MAX_MODEL_LEN = 49152, 2048

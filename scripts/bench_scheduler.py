@@ -23,11 +23,11 @@ from collections import Counter
 
 from jaxserve.bench.bucket_fit import expected_padded_tokens, fit_buckets
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.request import Request
+from jaxserve.scheduler.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler
-from jaxserve.scheduler.testing import FakeRunner
+from jaxserve.worker.fake_runner import FakeRunner
 
 
 def bench_decode(n: int, steps: int, *, block_size: int = 16, prompt_len: int = 100) -> dict:

@@ -89,7 +89,7 @@ def bench_sampler() -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.sampler import SamplingRow, make_sampling_metadata, sample
+    from jaxserve.sample.sampler import SamplingRow, make_sampling_metadata, sample
     from jaxserve.sampling_params import SamplingParams
 
     V = 49152

@@ -29,7 +29,7 @@ from flax import nnx  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.engine import LLMEngine, make_engine_config  # noqa: E402
 from jaxserve.model.llama import Llama, canonical_params  # noqa: E402
-from jaxserve.model_runner import ModelRunner  # noqa: E402
+from jaxserve.worker.model_runner import ModelRunner  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.scheduler.buckets import BucketPolicy  # noqa: E402
 

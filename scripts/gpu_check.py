@@ -35,11 +35,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxserve.model.attention import CommonAttentionMetadata  # noqa: E402
-from jaxserve.model.attention.pallas_mosaic import PallasMosaicBackend  # noqa: E402
-from jaxserve.model.attention.pallas_triton import PallasTritonBackend  # noqa: E402
-from jaxserve.model.attention.reference import reference_ragged_paged_attention  # noqa: E402
-from jaxserve.model.attention.xla import XlaBackend  # noqa: E402
+from jaxserve.attention import CommonAttentionMetadata  # noqa: E402
+from jaxserve.attention.pallas_mosaic import PallasMosaicBackend  # noqa: E402
+from jaxserve.attention.pallas_triton import PallasTritonBackend  # noqa: E402
+from jaxserve.attention.reference import reference_ragged_paged_attention  # noqa: E402
+from jaxserve.attention.xla import XlaBackend  # noqa: E402
 from tests.pallas.cases import random_batch  # noqa: E402
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}

@@ -19,7 +19,7 @@ import time
 
 from jaxserve.checkpoint import load_model
 from jaxserve.engine import make_engine_config
-from jaxserve.model_runner import ModelRunner
+from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.scheduler.buckets import BucketPolicy
 
 

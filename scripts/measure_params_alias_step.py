@@ -44,7 +44,7 @@ def main() -> None:
     a = ap.parse_args()
     from jaxserve.checkpoint import load_model
     from jaxserve.model import llama
-    from jaxserve.model.attention.xla import XlaBackend
+    from jaxserve.attention.xla import XlaBackend
 
     cfg, tree, _ = load_model(None, cache_dir=a.cache_dir, progress=False)
     assert isinstance(tree["embed"], np.memmap), "not a params-cache hit: run once to fill it"

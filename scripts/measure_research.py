@@ -47,7 +47,7 @@ def main() -> None:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.model_runner import enable_compilation_cache
+    from jaxserve.worker.model_runner import enable_compilation_cache
 
     enable_compilation_cache(a.compile_cache_dir)
     path = resolve_model_path(a.model)
@@ -138,7 +138,7 @@ def compile_only(a) -> None:
     largest ("stack", T): what --enable_prompt_logprobs adds to a first start."""
     from jaxserve.checkpoint import load_model
     from jaxserve.engine import make_engine_config
-    from jaxserve.model_runner import ModelRunner
+    from jaxserve.worker.model_runner import ModelRunner
     from jaxserve.scheduler.buckets import BucketPolicy
 
     cfg, params, _ = load_model(a.model, progress=False)

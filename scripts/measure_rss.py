@@ -88,7 +88,7 @@ def main() -> None:
     def imports():
         import jax  # noqa: F401
 
-        import jaxserve.engine  # noqa: F401
+        import jaxserve.engine.core  # noqa: F401
         import jaxserve.server  # noqa: F401
         jax.devices()
     phase("import jax/jaxserve + CPU client", imports)
@@ -96,7 +96,7 @@ def main() -> None:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.model_runner import enable_compilation_cache, enable_executable_cache
+    from jaxserve.worker.model_runner import enable_compilation_cache, enable_executable_cache
     from jaxserve.sampling_params import SamplingParams
 
     enable_compilation_cache(args.compile_cache_dir)
@@ -111,7 +111,7 @@ def main() -> None:
     keep = params if args.keep_host_params else None
     del params
     def owned():  # as cli.build_engine: the engine may use the host leaves in place
-        from jaxserve.parallel import OwnedHostParams, align_host_leaves
+        from jaxserve.distributed.tensor_parallel import OwnedHostParams, align_host_leaves
 
         return OwnedHostParams(align_host_leaves(holder.pop("params")))
     engine = phase("LLMEngine(warmup=False): params+KV",

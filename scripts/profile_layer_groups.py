@@ -45,9 +45,9 @@ def main() -> None:
 
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
-    from jaxserve.layer_stack import embed_fn, final_fn, layers_fn
+    from jaxserve.worker.layer_stack import embed_fn, final_fn, layers_fn
     from jaxserve.model import llama
-    from jaxserve.model.attention.xla import XlaBackend
+    from jaxserve.attention.xla import XlaBackend
 
     cfg, tree, _ = load_model(resolve_model_path(None), dtype="float32", progress=False)
     params = llama.prepare_params(cfg, tree, unroll_layers=True)

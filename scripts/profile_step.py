@@ -74,7 +74,7 @@ def decode_common(rows: int, ctx: int, block_size: int, num_blocks: int, seed: i
     stack uses its largest seq bucket); pages: the block table width (default just
     enough; the engine uses max_model_len / block_size).
     """
-    from jaxserve.model.attention import CommonAttentionMetadata
+    from jaxserve.attention import CommonAttentionMetadata
 
     s_pad, t_pad = s_pad or rows, t_pad or rows
     per = -(-ctx // block_size)
@@ -137,7 +137,7 @@ def parse_variants(spec: str) -> dict[str, dict]:
 
 
 def run_attn(args) -> None:
-    from jaxserve.model.attention.xla import XlaBackend
+    from jaxserve.attention.xla import XlaBackend
 
     K, D, G, B = 3, 64, 3, 16  # SmolLM2-135M: 9 query heads over 3 KV heads, head_dim 64
     variants = parse_variants(args.attn_variants)
@@ -189,7 +189,7 @@ def run_fwd(args) -> None:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.model import llama
-    from jaxserve.model.attention.xla import XlaBackend
+    from jaxserve.attention.xla import XlaBackend
 
     cfg, tree, _ = load_model(resolve_model_path(None), dtype="float32", progress=False)
     attn_kw = parse_variants(args.attn_variants)

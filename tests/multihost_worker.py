@@ -16,14 +16,14 @@ import sys
 
 
 def main(port: int, pid: int) -> None:
-    from jaxserve import multihost
+    from jaxserve.distributed import multihost
 
     multihost.initialize(f"127.0.0.1:{port}", 2, pid)
     import jax
 
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.model_runner import ModelRunner
-    from jaxserve.parallel import shard_report
+    from jaxserve.worker.model_runner import ModelRunner
+    from jaxserve.distributed.tensor_parallel import shard_report
     from jaxserve.scheduler.buckets import BucketPolicy
     from tests.conftest import tiny_params
     from tests.tp_worker import PROMPTS, TINY_ENGINE, TINY_HEADS, _run

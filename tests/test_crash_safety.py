@@ -3,7 +3,7 @@
 Each case runs `jaxserve serve` on the tiny GGUF fixture (tests/fixtures/tiny_gguf,
 not SmolLM2: seconds, not minutes) as a subprocess on 127.0.0.1 with its own
 params cache and JAX compilation cache, kills it (SIGKILL from outside, or the
-process SIGKILLs itself at a `jaxserve.faults` point), restarts it on the same
+process SIGKILLs itself at a `jaxserve.testing.faults` point), restarts it on the same
 cache directories and checks that it is healthy and answers the same greedy
 tokens as an undisturbed server. Damaged caches (truncated and garbage files)
 must be rebuilt, never crash the start.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.sampling_params import SamplingParams
 
 CORPUS = [

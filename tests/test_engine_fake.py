@@ -14,7 +14,7 @@ from conftest import tiny_tokenizer
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.testing import FakeRunner, counting_token
+from jaxserve.worker.fake_runner import FakeRunner, counting_token
 
 EOS = 2
 

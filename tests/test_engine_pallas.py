@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.attention import CommonAttentionMetadata, get_attention_backend
+from jaxserve.attention import CommonAttentionMetadata, get_attention_backend
 from jaxserve.model.llama import forward_paged, prepare_params
 from tests.pallas.cases import load_gpu_check
 

@@ -27,7 +27,7 @@ from conftest import tiny_tokenizer
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.testing import FakeRunner, check_invariants, counting_token
+from jaxserve.worker.fake_runner import FakeRunner, check_invariants, counting_token
 
 PROMPTS = ["abcd", "abcdefgh", "abcdefghij", "xyz", "abcdabcd", "hello world", "q"]
 MAX_LEN = 32

@@ -23,16 +23,16 @@ _SCRIPT = textwrap.dedent("""
     import json, logging, sys
     sys.path.insert(0, "tests")
     logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
-    logging.getLogger("jaxserve.executable_cache").setLevel(logging.DEBUG)
+    logging.getLogger("jaxserve.worker.executable_cache").setLevel(logging.DEBUG)
     from conftest import tiny_params
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.model_runner import enable_executable_cache
+    from jaxserve.worker.model_runner import enable_executable_cache
     from jaxserve.sampling_params import SamplingParams
 
     cache_dir, overrides = sys.argv[1], json.loads(sys.argv[2])
     enable_executable_cache(cache_dir)
     if len(sys.argv) > 3:
-        from jaxserve.model_runner import enable_compilation_cache
+        from jaxserve.worker.model_runner import enable_compilation_cache
         enable_compilation_cache(sys.argv[3])
     cfg, params = tiny_params()
     args = dict(max_model_len=64, block_size=4, num_kv_blocks=32, max_num_seqs=2,
@@ -70,7 +70,7 @@ def cold(tmp_path_factory):
     cache = tmp_path_factory.mktemp("exec_cache")
     res, log = _run(cache)
     assert (res["built"], res["restored"], res["total"]) == (3, 0, 3), res
-    # A layer-group stack is three entries (jaxserve.layer_stack): embed, layers, final.
+    # A layer-group stack is three entries (jaxserve.worker.layer_stack): embed, layers, final.
     assert sorted(p.name.split("_")[0] for p in cache.glob("*.jxe")) == [
         "head",
         "stack.embed", "stack.embed", "stack.final", "stack.final", "stack.layers",
@@ -129,7 +129,7 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.executable_cache import ExecutableCache
+    from jaxserve.worker.executable_cache import ExecutableCache
 
     compiled = jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.zeros(16)).compile()
     cache = ExecutableCache(tmp_path / "c")
@@ -170,7 +170,7 @@ def test_the_size_cap_evicts_the_least_recently_used_entries(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.executable_cache import ExecutableCache
+    from jaxserve.worker.executable_cache import ExecutableCache
 
     compiled = jax.jit(lambda x: jnp.cos(x) + 1).lower(jnp.zeros(8)).compile()
     probe = ExecutableCache(tmp_path / "probe", max_bytes=None)
@@ -196,11 +196,12 @@ def test_every_traced_module_is_in_the_source_digest():
     import inspect
     from pathlib import Path
 
-    from jaxserve import executable_cache, layer_stack, model_runner, sampler, scoring
     from jaxserve.model import llama
-    from jaxserve.model.attention import native_cpu, xla
+    from jaxserve.sample import sampler
+    from jaxserve.worker import executable_cache, layer_stack, model_runner, scoring
+    from jaxserve.attention import native_cpu, xla
 
-    root = Path(executable_cache.__file__).resolve().parent
+    root = Path(executable_cache.__file__).resolve().parent.parent
     covered = set()
     for rel in executable_cache.PROGRAM_SOURCES:
         p = root / rel

@@ -17,7 +17,7 @@ from conftest import tiny_engine, tiny_tokenizer
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.testing import FakeRunner, counting_token
+from jaxserve.worker.fake_runner import FakeRunner, counting_token
 
 GOOD = [
     ("g1", [5, 9, 14, 22], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)),

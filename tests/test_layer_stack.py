@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_params
-from jaxserve.layer_stack import LayerStackProgram
+from jaxserve.worker.layer_stack import LayerStackProgram
 from jaxserve.sampling_params import SamplingParams
 
 L = 4  # a 4-layer tiny model: G = 1, 2 and 4 are all divisors

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_engine
-from jaxserve.sampler import SamplingRow, make_sampling_metadata, sample
+from jaxserve.sample.sampler import SamplingRow, make_sampling_metadata, sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.validation import (MAX_LOGIT_BIAS, Limits, ValidationError,
                                  validate_sampling_params)

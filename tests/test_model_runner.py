@@ -53,7 +53,7 @@ _CACHE_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, "tests")
     from conftest import tiny_params
     from jaxserve.engine import make_engine_config
-    from jaxserve.model_runner import ModelRunner, enable_compilation_cache
+    from jaxserve.worker.model_runner import ModelRunner, enable_compilation_cache
     from jaxserve.scheduler.buckets import BucketPolicy
 
     enable_compilation_cache(sys.argv[1])

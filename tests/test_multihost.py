@@ -2,7 +2,7 @@
 CPU devices each, joined by `jax.distributed` (gloo CPU collectives), TP = 4 across them.
 
 Process 0 runs the engine and broadcasts each step's host arrays; process 1 runs the
-same programs in lock-step (`jaxserve.multihost`). The greedy tokens must equal the
+same programs in lock-step (`jaxserve.distributed.multihost`). The greedy tokens must equal the
 TP = 1 engine's in this (one-device) process, and both processes must exit 0 after
 the leader's stop.
 """

@@ -1,4 +1,4 @@
-"""Zero-copy params on CPU (`jaxserve.parallel.OwnedHostParams`): the host tree handed
+"""Zero-copy params on CPU (`jaxserve.distributed.tensor_parallel.OwnedHostParams`): the host tree handed
 over by the CLI becomes the device buffers; a tree passed bare is always copied."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_params
-from jaxserve.parallel import ALIGN, OwnedHostParams, align_host_leaves
+from jaxserve.distributed.tensor_parallel import ALIGN, OwnedHostParams, align_host_leaves
 
 # Buffer sharing is a CPU property (device_put elsewhere always copies to the device).
 cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU buffer aliasing")
@@ -101,7 +101,7 @@ def test_an_owned_tree_is_used_in_place_and_a_bare_tree_is_copied():
 _TP_SCRIPT = """
 import jax, numpy as np
 from jaxserve.config import ModelConfig
-from jaxserve.parallel import TensorParallel, align_host_leaves
+from jaxserve.distributed.tensor_parallel import TensorParallel, align_host_leaves
 tp = TensorParallel(ModelConfig.tiny(), 2)
 x = align_host_leaves({"w": np.arange(48 * 8, dtype=np.float32).reshape(48, 8)})["w"]
 for private in (False, True):
@@ -155,7 +155,7 @@ def _resident_bytes(x) -> int:
 def test_zero_kv_pages_are_released_and_read_back_as_zero_then_fill_in_place():
     import jax.numpy as jnp
 
-    from jaxserve.parallel import TensorParallel, release_zero_pages
+    from jaxserve.distributed.tensor_parallel import TensorParallel, release_zero_pages
 
     tp = TensorParallel(tiny_params()[0], 1)
     before = _rss_anon_mib()
@@ -181,9 +181,9 @@ def test_zero_kv_pages_are_released_and_read_back_as_zero_then_fill_in_place():
 @pytest.mark.skipif(jax.default_backend() != "cpu" or not sys.platform.startswith("linux"),
                     reason="madvise of CPU buffers (Linux)")
 def test_an_engine_kv_cache_is_resident_only_where_written(monkeypatch):
-    from jaxserve import parallel
+    from jaxserve.distributed import tensor_parallel as parallel
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.model_runner import kv_bytes_per_block
+    from jaxserve.worker.model_runner import kv_bytes_per_block
 
     cfg, _ = tiny_params()
     blocks = (96 << 20) // kv_bytes_per_block(cfg, 4)  # a ~96 MiB pool of 4-token blocks

@@ -28,7 +28,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.testing import FakeRunner, counting_token
+from jaxserve.worker.fake_runner import FakeRunner, counting_token
 from jaxserve.validation import ValidationError
 
 

@@ -18,9 +18,9 @@ from jaxserve import LLM
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.outputs import rollout_arrays
-from jaxserve.runner import SampledToken
+from jaxserve.worker.runner import SampledToken
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.testing import FakeRunner, counting_token
+from jaxserve.worker.fake_runner import FakeRunner, counting_token
 
 EOS = 2
 ARGS = dict(max_model_len=64, block_size=4, num_kv_blocks=257, max_num_seqs=16,

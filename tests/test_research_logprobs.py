@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import sample
+from jaxserve.sample.sampler import sample
 from test_sampler import NLP, S, _log_softmax64, _logits, _md, _ref_penalties, _ref_probs, _row
 
 PROMPT, OUT = (1, 2, 3), (4, 5, 5)

@@ -21,7 +21,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.model.llama import Llama, reference_logits
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.testing import FakeRunner
+from jaxserve.worker.fake_runner import FakeRunner
 
 # max_num_batched_tokens=16: a 40-token row is prefilled in three chunks.
 ARGS = dict(max_model_len=96, block_size=4, num_kv_blocks=96, max_num_seqs=4,
@@ -187,7 +187,7 @@ def test_scoring_off_is_a_clear_error():
 
 
 def test_fake_runner_scores_chunks_and_preemptions_by_position():
-    """The fake's hand-checkable scores (`jaxserve.scoring.fake_scores`): token t scores
+    """The fake's hand-checkable scores (`jaxserve.worker.scoring.fake_scores`): token t scores
     -0.1 * (1 + t % 5), alternative i is (t + i) % V at -(0.1 + i); every index once."""
     cfg = ModelConfig.tiny()
     config = make_engine_config(cfg, num_kv_blocks=64, block_size=4, max_model_len=64,

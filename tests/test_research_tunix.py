@@ -80,7 +80,7 @@ def test_rollout_config_mapping_and_unsupported_paths():
 
 
 def _fake_score(t: int) -> float:
-    # jaxserve.scoring.fake_scores: the fake runner's teacher-forced score of token t.
+    # jaxserve.worker.scoring.fake_scores: the fake runner's teacher-forced score of token t.
     return np.float32(-0.1 * (1 + t % 5))
 
 

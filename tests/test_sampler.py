@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampler import (
+from jaxserve.sample.sampler import (
     MAX_EOS_TOKEN_IDS, SUPPRESS_WIDTH, SamplingRow, apply_penalties, filter_logits,
     make_sampling_metadata,
     sample)
@@ -340,7 +340,7 @@ def test_row_blocked_sample_equals_one_block_at_64_rows():
     # the one-piece `_sample` on the same mixed batch (greedy, seeded
     # top-k / top-p / min-p, penalties, logit_bias, min_tokens suppression, padding rows),
     # and a row's result must not depend on which block it lands in.
-    from jaxserve.sampler import SAMPLE_ROW_BLOCK, _sample
+    from jaxserve.sample.sampler import SAMPLE_ROW_BLOCK, _sample
 
     n = 64
     assert n > SAMPLE_ROW_BLOCK and n % SAMPLE_ROW_BLOCK == 0

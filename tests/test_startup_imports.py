@@ -40,4 +40,4 @@ print(Llama.__module__)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert json.loads(lines[-2]) == []
-    assert lines[-1] == "jaxserve.model.llama_nnx"
+    assert lines[-1] == "jaxserve.model.nnx"

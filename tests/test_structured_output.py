@@ -122,7 +122,7 @@ def test_sampler_bitmask_against_numpy():
     """Masked greedy = NumPy argmax over allowed ids; random rows draw only allowed ids;
     raw logprobs are log_softmax of the unmasked logits, processed ones of the masked
     (disallowed ids -inf); all-ones rows are untouched; a [S, 0] mask is no mask."""
-    from jaxserve.sampler import SamplingRow, make_sampling_metadata, sample
+    from jaxserve.sample.sampler import SamplingRow, make_sampling_metadata, sample
 
     S, V = 6, 101
     rng = np.random.default_rng(0)
@@ -355,7 +355,7 @@ def test_preemption_and_failed_steps_keep_the_matcher_in_step():
     token (a double advance or a lost one would be a dead end or invalid JSON)."""
     from jaxserve.config import ModelConfig
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.scheduler.testing import FakeRunner, default_token
+    from jaxserve.worker.fake_runner import FakeRunner, default_token
 
     model = ModelConfig.tiny(vocab_size=MODEL_VOCAB, max_position_embeddings=512)
     config = make_engine_config(model, max_model_len=128, block_size=4, num_kv_blocks=200,

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ModelConfig
-from jaxserve.parallel import check_tensor_parallel, expand_kv_heads
+from jaxserve.distributed.tensor_parallel import check_tensor_parallel, expand_kv_heads
 
 ROOT = Path(__file__).resolve().parents[1]
 H, K, E, F, D, L, V = 8, 2, 48, 80, 8, 2, 68  # tests/tp_worker.py's tiny model
@@ -199,11 +199,11 @@ def _lower_sharded_stack(kernel: str, tp: int, *, per_layer: bool = False) -> st
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
     from jax.sharding import PartitionSpec as Pspec
 
-    from jaxserve import parallel
-    from jaxserve.model.attention.pallas_mosaic import PallasMosaicBackend
-    from jaxserve.model.attention.pallas_triton import PallasTritonBackend
+    from jaxserve.distributed import tensor_parallel as parallel
+    from jaxserve.attention.pallas_mosaic import PallasMosaicBackend
+    from jaxserve.attention.pallas_triton import PallasTritonBackend
     from jaxserve.model.llama import param_shapes
-    from jaxserve.model_runner import StepBatch, _stack_fn
+    from jaxserve.worker.model_runner import StepBatch, _stack_fn
     from tests.pallas.cases import empty_common
 
     cfg = ModelConfig.tiny(num_attention_heads=H, num_key_value_heads=K, head_dim=64,
@@ -234,7 +234,7 @@ def _lower_sharded_stack(kernel: str, tp: int, *, per_layer: bool = False) -> st
     batch = StepBatch(input_ids=i32(t), positions=i32(t), logits_indices=i32(s), sampling=None,
                       attn_md=jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding=rep), md))
     if per_layer:  # the engine's layer-group program (G = L here): per-layer caches
-        from jaxserve.layer_stack import layers_fn
+        from jaxserve.worker.layer_stack import layers_fn
 
         kvl = NamedSharding(mesh, parallel.KV_LAYER_SPEC)
         caches = [sds((blocks, 16, mc.num_key_value_heads, 64), jnp.bfloat16, sharding=kvl)] * L

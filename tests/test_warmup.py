@@ -20,9 +20,9 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler
-from jaxserve.request import Request
+from jaxserve.scheduler.request import Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.testing import FakeRunner
+from jaxserve.worker.fake_runner import FakeRunner
 from test_engine import cached_reference, greedy, prompt_of, run_all
 
 ARGS = dict(max_model_len=128, block_size=4, num_kv_blocks=128, max_num_seqs=8,

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxserve.engine import LLMEngine, make_engine_config
-from jaxserve.parallel import shard_report
+from jaxserve.distributed.tensor_parallel import shard_report
 from jaxserve.sampling_params import SamplingParams
 
 # vocab 68: TP 2 and 4 divide it, so the default vocab-parallel embed / lm_head is used.
@@ -85,7 +85,7 @@ def _shards(runner):
 def engine_group(backend: str, interpret: bool, tps: tuple[str, ...], *, prompts=PROMPTS,
                  max_tokens: int = 12, **cfg_kw) -> dict:
     """Per entry of tps ("4": TP = 4, "4r": TP = 4 with replicated embed / lm_head)."""
-    from jaxserve.model_runner import ModelRunner
+    from jaxserve.worker.model_runner import ModelRunner
     from jaxserve.scheduler.buckets import BucketPolicy
     from tests.conftest import tiny_params
 

@@ -29,11 +29,11 @@ import numpy as np
 from jaxserve.bench.traces import (CHAT_OVERHEAD_TOKENS, TraceRequest, approx_prompt_tokens,
                                    percentiles)
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.request import Request
+from jaxserve.scheduler.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler
-from jaxserve.scheduler.testing import FakeRunner
+from jaxserve.worker.fake_runner import FakeRunner
 
 FAKE_TOKEN = 5  # what the fake runner samples; runs ignore EOS, so any id works
 

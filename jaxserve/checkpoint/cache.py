@@ -26,7 +26,7 @@ processes are removed by the next save. A damaged entry (bad or missing meta,
 a leaf file that is not NumPy's format, truncated, padded, or of another dtype or
 shape than meta.json and the config say) and a damaged hash memo are rebuilt,
 never a crash (tests/test_crash_safety.py kills the process at the fault points of
-`jaxserve.faults`). Not detected: a flipped byte inside a leaf's data (no checksum:
+`jaxserve.testing.faults`). Not detected: a flipped byte inside a leaf's data (no checksum:
 sha256 of the 513 MiB tree would cost ~0.45 s of the start-up, crc32 ~0.3 s).
 Entries of the older orbax format (`<sha16>-<dtype>/params/`) are ignored, not
 deleted (another checkout may still use them). Clear with `make clean-cache`.
@@ -45,7 +45,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jaxserve import faults
+from jaxserve.testing import faults
 from jaxserve.checkpoint.layout import check_tree
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig, RopeScaling
@@ -222,7 +222,7 @@ def save(entry: Path, cfg: ModelConfig, params: dict, tok: Tokenizer) -> None:
     One `np.save` per leaf, then meta.json, then the rename. Never raises for the
     file system (a full disk, a read-only cache dir): it logs a warning and leaves
     no temporary, and the caller goes on with its converted tree. Fault points
-    (jaxserve.faults): params_cache_write after the leaves, params_cache_rename
+    (jaxserve.testing.faults): params_cache_write after the leaves, params_cache_rename
     before the rename.
     """
     tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.attention.common import AttentionBackend, MdT
+from jaxserve.attention.common import AttentionBackend, MdT
 
 # One layer's weights, and a parameter tree: the canonical one (layers stacked on [L]) or
 # the engine layout (`prepare_params`: cast, and with unroll_layers a list of L layer dicts).
@@ -158,7 +158,7 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
     default `place` (one `jax.device_put`) an aligned NumPy leaf on CPU is used in
     place rather than copied; the runner's `TensorParallel.place_params` copies
     every NumPy leaf into a private buffer first (unless the tree was handed over
-    as `jaxserve.parallel.OwnedHostParams`), so the engine shares no buffer with
+    as `jaxserve.distributed.tensor_parallel.OwnedHostParams`), so the engine shares no buffer with
     its caller's arrays.
 
     Args:
@@ -169,7 +169,7 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
         A/Bs on SmolLM2 (notes/perf.md, 2026-12-01) measured the fused step 3-20%
         slower on XLA:CPU; kept so `scripts/profile_step.py fwd` can re-measure it.
       place: puts the host-layout tree on the devices (default one `jax.device_put`);
-        tensor parallelism passes `jaxserve.parallel.TensorParallel.place_params`,
+        tensor parallelism passes `jaxserve.distributed.tensor_parallel.TensorParallel.place_params`,
         which places each leaf shard by shard with its sharding.
 
     Returns:
@@ -392,10 +392,10 @@ def _jit_reference(cfg, params, ids, pos):
 
 
 def __getattr__(name: str):
-    """`Llama` (the NNX module) lives in `jaxserve.model.llama_nnx`: importing flax costs
+    """`Llama` (the NNX module) lives in `jaxserve.model.nnx`: importing flax costs
     ~1 s of a start-up that only needs the pure functions above (notes/params_startup.md)."""
     if name == "Llama":
-        from jaxserve.model.llama_nnx import Llama
+        from jaxserve.model.nnx import Llama
 
         return Llama
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
 `Scheduler` plans each step, `KVCacheManager` owns the block pool and prefix
 cache, and `BucketPolicy` picks the padded (T_pad, S_pad) shape. The plan
 (`SchedulerOutput`) goes to the runner, which lays it out as arrays
-(`jaxserve.batch`).
+(`jaxserve.worker.input_batch`).
 """
 
 from jaxserve.scheduler.buckets import BucketPolicy, pow2_buckets, pow2_linear_buckets

@@ -24,7 +24,7 @@ from array import array
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from jaxserve.request import Request
+from jaxserve.scheduler.request import Request
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:

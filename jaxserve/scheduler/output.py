@@ -1,7 +1,7 @@
 """The scheduler's plan for one step: frozen, so the runner cannot change it.
 
 `Scheduler.schedule()` returns one `SchedulerOutput`; the runner's
-`jaxserve.batch.build_batch` turns it into the padded NumPy arrays of the step.
+`jaxserve.worker.input_batch.build_batch` turns it into the padded NumPy arrays of the step.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import itertools
 from collections import deque
 from typing import Iterator
 
-from jaxserve.request import Request
+from jaxserve.scheduler.request import Request
 
 
 class FCFSQueue:

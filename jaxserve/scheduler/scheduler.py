@@ -29,7 +29,7 @@ import itertools
 from typing import Iterable, Mapping, Sequence
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.request import Request, RequestStatus
+from jaxserve.scheduler.request import Request, RequestStatus
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.kv_cache_manager import KVCacheManager
 from jaxserve.scheduler.output import ScheduledRequest, SchedulerOutput

@@ -104,7 +104,7 @@ def test_gguf_kv_dims_match_the_hf_config():
 
 # ------------------------------------------------------------ logs and /proc
 def test_parse_kv_logs():
-    js = ("2026-12-01 11:20:00 jaxserve.engine: KV cache: 737 blocks x 16 tokens = 11776 tokens "
+    js = ("2026-12-01 11:20:00 jaxserve.engine.core: KV cache: 737 blocks x 16 tokens = 11776 tokens "
           "(518.2 MiB), 5.8 concurrent sequences of max_model_len=2048\n")
     assert cmp.parse_kv_log(js, "jaxserve") == {"tokens": 11776, "mib": 518.2}
     ll = ("llama_kv_cache:        CPU KV buffer size =   517.50 MiB\n"

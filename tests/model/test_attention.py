@@ -12,10 +12,10 @@ import pytest
 from jax import lax
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.attention import CommonAttentionMetadata, get_attention_backend, native_cpu
-from jaxserve.model.attention.pallas_triton import PallasTritonBackend
-from jaxserve.model.attention.reference import reference_ragged_paged_attention, reference_write_kv
-from jaxserve.model.attention.xla import XlaBackend
+from jaxserve.attention import CommonAttentionMetadata, get_attention_backend, native_cpu
+from jaxserve.attention.pallas_triton import PallasTritonBackend
+from jaxserve.attention.reference import reference_ragged_paged_attention, reference_write_kv
+from jaxserve.attention.xla import XlaBackend
 from tests.pallas.cases import named_mixes, random_batch
 
 T, S, B, P, N, L = 32, 4, 16, 4, 20, 3
@@ -380,7 +380,7 @@ def test_native_paged_decode_rejects_out_of_range_pages_and_layer():
 def test_online_softmax_merge_into_equals_one_softmax():
     # Items of one row split across batches and repeated within a batch, plus an empty
     # item, merged with merge_into: equal to one softmax over all of the row's keys.
-    from jaxserve.model.online_softmax import init_state, merge_into, normalize, \
+    from jaxserve.attention.kernels.online_softmax import init_state, merge_into, normalize, \
         online_softmax_step
 
     rng = np.random.default_rng(0)

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.attention import CommonAttentionMetadata, get_attention_backend
+from jaxserve.attention import CommonAttentionMetadata, get_attention_backend
 from jaxserve.model.llama import Llama, canonical_params, forward_paged, prepare_params, reference_logits
 
 B, N, P = 4, 8, 4  # block size, pool blocks, max blocks per sequence

@@ -110,7 +110,7 @@ def load_gpu_check():
 
 def empty_common(num_tokens: int, num_seqs: int, pages: int):
     """An all-padding step's `CommonAttentionMetadata` (what warm-up lowers): T, S, P."""
-    from jaxserve.model.attention import CommonAttentionMetadata
+    from jaxserve.attention import CommonAttentionMetadata
 
     return CommonAttentionMetadata(
         slot_mapping=np.zeros(num_tokens, np.int32),

@@ -12,9 +12,9 @@ import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
-from jaxserve.model.attention import get_attention_backend
-from jaxserve.model.attention.pallas_mosaic import PallasMosaicBackend
-from jaxserve.model.attention.registry import BACKEND_NAMES, choose_backend
+from jaxserve.attention import get_attention_backend
+from jaxserve.attention.pallas_mosaic import PallasMosaicBackend
+from jaxserve.attention.registry import BACKEND_NAMES, choose_backend
 
 H200, A100, B200, T4 = ("gpu", "9.0"), ("gpu", "8.0"), ("gpu", "10.0"), ("gpu", "7.5")
 CPU, TPU = ("cpu", None), ("tpu", None)

@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.attention.pallas_mosaic import PallasMosaicBackend
-from jaxserve.model.attention.pallas_triton import PallasTritonBackend
+from jaxserve.attention.pallas_mosaic import PallasMosaicBackend
+from jaxserve.attention.pallas_triton import PallasTritonBackend
 from jaxserve.model.llama import Llama, forward_paged, prepare_params
 from tests.pallas.cases import empty_common
 from tests.pallas.test_lowering import TRITON_CALL, _h200_mesh

@@ -15,7 +15,7 @@ import pytest
 from jax import lax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from jaxserve.model.attention.pallas_triton import PallasTritonBackend
+from jaxserve.attention.pallas_triton import PallasTritonBackend
 from tests.pallas.cases import empty_common
 
 TRITON_CALL = "__gpu$xla.gpu.triton"

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.attention import CommonAttentionMetadata
-from jaxserve.model.attention.pallas_mosaic import PallasMosaicBackend
-from jaxserve.model.attention.reference import reference_ragged_paged_attention
-from jaxserve.pallas import ragged_paged_attention_mosaic as rpm
+from jaxserve.attention import CommonAttentionMetadata
+from jaxserve.attention.pallas_mosaic import PallasMosaicBackend
+from jaxserve.attention.reference import reference_ragged_paged_attention
+from jaxserve.attention.kernels import ragged_paged_attention_mosaic as rpm
 from tests.pallas.cases import random_batch
 
 B = 16  # tokens per page; pages_per_chunk 4 -> 64-key chunks

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from jaxserve.model.attention.pallas_mosaic import PallasMosaicBackend
-from jaxserve.pallas import ragged_paged_attention_mosaic as rpm
+from jaxserve.attention.pallas_mosaic import PallasMosaicBackend
+from jaxserve.attention.kernels import ragged_paged_attention_mosaic as rpm
 from tests.pallas.cases import empty_common
 
 MOSAIC_CALL = "custom_call @mosaic_gpu_v2"

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.attention import CommonAttentionMetadata
-from jaxserve.model.attention.common import num_query_tiles, query_tiles
-from jaxserve.model.attention.pallas_triton import PallasTritonBackend, choose_block_q
-from jaxserve.model.attention.reference import reference_ragged_paged_attention
-from jaxserve.model.attention.xla import XlaBackend
-from jaxserve.pallas import ragged_paged_attention as rpa
+from jaxserve.attention import CommonAttentionMetadata
+from jaxserve.attention.common import num_query_tiles, query_tiles
+from jaxserve.attention.pallas_triton import PallasTritonBackend, choose_block_q
+from jaxserve.attention.reference import reference_ragged_paged_attention
+from jaxserve.attention.xla import XlaBackend
+from jaxserve.attention.kernels import ragged_paged_attention as rpa
 from tests.pallas.cases import named_mixes, random_batch
 
 T_PAD, S_PAD, B, P, N = 64, 8, 16, 8, 72

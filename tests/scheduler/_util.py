@@ -5,10 +5,10 @@ from __future__ import annotations
 import zlib
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.request import Request
+from jaxserve.scheduler.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import Scheduler
-from jaxserve.scheduler.testing import check_invariants, default_token
+from jaxserve.worker.fake_runner import check_invariants, default_token
 
 
 def make_scheduler(*, budget=32, max_seqs=8, max_model_len=256, block_size=4, num_kv_blocks=64,

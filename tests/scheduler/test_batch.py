@@ -4,9 +4,9 @@ to the null block, and the offsets are checked by hand."""
 import numpy as np
 import pytest
 
-from jaxserve.batch import build_batch
+from jaxserve.worker.input_batch import build_batch
 from jaxserve.scheduler.output import ScheduledRequest, SchedulerOutput
-from jaxserve.scheduler.testing import FakeRunner
+from jaxserve.worker.fake_runner import FakeRunner
 
 from ._util import make_req, make_scheduler
 

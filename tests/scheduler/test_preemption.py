@@ -5,8 +5,8 @@ and the output equals the unpreempted run token for token."""
 import numpy as np
 import pytest
 
-from jaxserve.request import RequestStatus
-from jaxserve.scheduler.testing import FakeRunner
+from jaxserve.scheduler.request import RequestStatus
+from jaxserve.worker.fake_runner import FakeRunner
 
 from ._util import assert_pool_clean, expected_tokens, make_req, make_scheduler, prompt
 

@@ -3,7 +3,7 @@ LRU eviction, counters, and no shared block ever written twice."""
 
 import pytest
 
-from jaxserve.scheduler.testing import FakeRunner
+from jaxserve.worker.fake_runner import FakeRunner
 
 from ._util import assert_pool_clean, expected_tokens, make_req, make_scheduler, prompt
 

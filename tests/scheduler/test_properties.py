@@ -5,11 +5,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.request import Request
+from jaxserve.scheduler.request import Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.batch import build_batch
+from jaxserve.worker.input_batch import build_batch
 from jaxserve.scheduler.scheduler import Scheduler
-from jaxserve.scheduler.testing import check_invariants, default_token
+from jaxserve.worker.fake_runner import check_invariants, default_token
 
 from ._util import expected_tokens
 

@@ -5,11 +5,11 @@ static batching and the engine-facing error paths."""
 import pytest
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.request import Request, RequestStatus
+from jaxserve.scheduler.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler
-from jaxserve.scheduler.testing import FakeRunner, scripted
+from jaxserve.worker.fake_runner import FakeRunner, scripted
 
 from ._util import assert_pool_clean, expected_tokens, make_req, make_scheduler, prompt
 
@@ -363,6 +363,6 @@ def test_request_seed_and_properties():
 def test_scheduler_package_never_imports_jax():
     import subprocess
     import sys
-    code = ("import sys, jaxserve.scheduler, jaxserve.scheduler.testing, jaxserve.request; "
+    code = ("import sys, jaxserve.scheduler, jaxserve.worker.fake_runner, jaxserve.scheduler.request; "
             "bad = [m for m in ('jax', 'flax') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -27,7 +27,7 @@ import uvicorn
 from conftest import tiny_tokenizer  # the module object pytest loaded: one tokenizer/engine cache
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
-from jaxserve.scheduler.testing import FakeRunner, counting_token
+from jaxserve.worker.fake_runner import FakeRunner, counting_token
 from jaxserve.server import JaxserveServer, build_app
 
 ENGINE_KIND = os.environ.get("JAXSERVE_SERVER_TEST_ENGINE", "fake")

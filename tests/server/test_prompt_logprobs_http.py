@@ -1,7 +1,7 @@
 """prompt_logprobs (vLLM's extra field) and echo with logprobs (OpenAI) on /v1/completions,
 both through the engine's scoring path.
 
-Expected values: with the fake engine, `jaxserve.scoring.fake_scores` (prompt token t
+Expected values: with the fake engine, `jaxserve.worker.scoring.fake_scores` (prompt token t
 scores -0.1 * (1 + t % 5); alternative i is (t + i) % V at -(0.1 + i)); with the tiny
 engine (JAXSERVE_SERVER_TEST_ENGINE=tiny), a float64 log_softmax of the model's plain
 full-sequence forward (`reference_logits`).

@@ -21,7 +21,7 @@ import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
-from jaxserve.scheduler.testing import FakeRunner, counting_token
+from jaxserve.worker.fake_runner import FakeRunner, counting_token
 from test_structured_output import MODEL_VOCAB, SCHEMAS, ascii_tokenizer, so_engine
 
 from .helpers import ENGINE_KIND, MODEL, healthy_probe, running_server

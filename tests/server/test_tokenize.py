@@ -18,7 +18,7 @@ from conftest import TINY_CHAT_TEMPLATE, tiny_tokenizer
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
-from jaxserve.scheduler.testing import FakeRunner
+from jaxserve.worker.fake_runner import FakeRunner
 
 from .helpers import MODEL, healthy_probe, running_server
 

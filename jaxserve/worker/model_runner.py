@@ -1,7 +1,7 @@
 """Runs one scheduled step: bucket-shaped host arrays -> its AOT-compiled programs.
 
 Per step (DESIGN.md "Data flow of one engine step"): the scheduler's plan is
-laid out as NumPy arrays at the bucket shape (T_pad, S_pad) (`jaxserve.batch`),
+laid out as NumPy arrays at the bucket shape (T_pad, S_pad) (`jaxserve.worker.input_batch`),
 moved to the device with ONE `device_put` as a typed `StepBatch`, run through
 the compiled program for that shape (the KV cache donated so XLA updates it in
 place), and the sampled ids come back with ONE device-to-host copy.
@@ -11,7 +11,7 @@ families that add rather than multiply (T + S programs, not T x S): the layer
 stack per token bucket T_pad (embedding, decoder layers, final norm, and the
 gather of the rows whose logits are wanted, at the largest seq bucket; with
 unrolled layers an embed, a G-layer program called L / G times on per-layer
-weight and KV buffers, and a final program: `jaxserve.layer_stack`), and the
+weight and KV buffers, and a final program: `jaxserve.worker.layer_stack`), and the
 head per seq bucket S_pad (LM head + sampler over the first S_pad gathered rows).
 The two run back to back; the gathered rows stay on the device. All are built
 at warm-up: the analogue of vLLM's CUDA-graph capture sizes, with the split of
@@ -26,7 +26,7 @@ Start-up (issue 12): with `EngineConfig.warmup="progressive"` warm-up returns on
 the smallest token bucket's programs are ready and builds the rest in a background
 thread, capping the scheduler's token budget (`BucketPolicy.token_cap`) at the
 largest ready bucket meanwhile; with an executable cache (`enable_executable_cache`,
-`jaxserve.executable_cache`) a restart deserializes each program instead of tracing,
+`jaxserve.worker.executable_cache`) a restart deserializes each program instead of tracing,
 lowering and compiling it.
 """
 
@@ -48,17 +48,17 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.batch import build_batch
+from jaxserve.worker.input_batch import build_batch
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.executable_cache import ExecutableCache, program_key_parts
-from jaxserve.layer_stack import LayerStackProgram, embed_fn, final_fn, layers_fn
-from jaxserve.model.attention import AttentionBackend, CommonAttentionMetadata, get_attention_backend
+from jaxserve.worker.executable_cache import ExecutableCache, program_key_parts
+from jaxserve.worker.layer_stack import LayerStackProgram, embed_fn, final_fn, layers_fn
+from jaxserve.attention import AttentionBackend, CommonAttentionMetadata, get_attention_backend
 from jaxserve.model.llama import compute_logits, paged_attn, prepare_params, run_layers
-from jaxserve.parallel import OwnedHostParams, TensorParallel
-from jaxserve.request import Request
-from jaxserve.runner import RowError, RowResult, RunnerStats, SampledToken
-from jaxserve.scoring import merge_scores, scoring_plan, split_scores
-from jaxserve.sampler import SamplingMetadata, SamplingRow, make_sampling_metadata, sample
+from jaxserve.distributed.tensor_parallel import OwnedHostParams, TensorParallel
+from jaxserve.scheduler.request import Request
+from jaxserve.worker.runner import RowError, RowResult, RunnerStats, SampledToken
+from jaxserve.worker.scoring import merge_scores, scoring_plan, split_scores
+from jaxserve.sample.sampler import SamplingMetadata, SamplingRow, make_sampling_metadata, sample
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
 
@@ -108,7 +108,7 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    from jaxserve import faults  # crash-safety tests: die mid-write when JAXSERVE_FAULT says so
+    from jaxserve.testing import faults  # crash-safety tests: die mid-write when JAXSERVE_FAULT says so
 
     faults.arm_compile_cache()
 
@@ -118,7 +118,7 @@ _EXECUTABLE_CACHE_DIR: str | None = None
 
 def enable_executable_cache(cache_dir: str | None) -> None:
     """Runners built from now on keep their compiled programs in `cache_dir`
-    (`jaxserve.executable_cache`: a restart then skips tracing too; None or '': off)."""
+    (`jaxserve.worker.executable_cache`: a restart then skips tracing too; None or '': off)."""
     global _EXECUTABLE_CACHE_DIR
     _EXECUTABLE_CACHE_DIR = str(cache_dir) if cache_dir else None
 
@@ -207,7 +207,7 @@ def _score_fn(cfg: ModelConfig, k: int, params, hidden, targets):
     """Score program (one per T_pad, only in steps with scoring rows): LM head over every
     hidden row [T_pad, E], log_softmax, then each row's target logprob f32[T_pad] and the
     top-k ids i32[T_pad, k] / logprobs f32[T_pad, k] (k = max_logprobs; raw logprobs, as
-    vLLM's prompt_logprobs). `targets` i32[T_pad] (`jaxserve.scoring.ScoringPlan`)."""
+    vLLM's prompt_logprobs). `targets` i32[T_pad] (`jaxserve.worker.scoring.ScoringPlan`)."""
     logits = compute_logits(cfg, params, hidden)  # f32[T_pad, V]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [T_pad]
     tgt = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
@@ -234,7 +234,7 @@ class ModelRunner:
     Args:
       config: the engine config (model, cache, scheduler limits, backend).
       params: the canonical parameter tree (see `jaxserve.model.llama`), any array type;
-        always copied, except a `jaxserve.parallel.OwnedHostParams` tree on one CPU
+        always copied, except a `jaxserve.distributed.tensor_parallel.OwnedHostParams` tree on one CPU
         device, whose aligned NumPy leaves become the device buffers.
       bucket_policy: the (T_pad, S_pad) shapes this runner may be asked for.
       strict_compiles: raise instead of compiling when a step after warm-up
@@ -250,7 +250,7 @@ class ModelRunner:
     buffers, L V buffers) of [N, B, K, D] each with unrolled layers (layer-group
     programs), or 2 x [L, N, B, K, D] for the scan.
     With `config.tensor_parallel_size` > 1 params and cache are sharded over a
-    mesh (`jaxserve.parallel`; K becomes K' = max(K, TP) when KV heads are
+    mesh (`jaxserve.distributed.tensor_parallel`; K becomes K' = max(K, TP) when KV heads are
     replicated) and the programs compile with those shardings.
 
     Raises:
@@ -268,7 +268,7 @@ class ModelRunner:
         self.model_cfg = self.tp.model_cfg  # what the programs run (K' KV heads)
         if self.tp.mesh is not None:
             logger.info(self.tp.describe())
-        self.leader = None  # multi-host: `jaxserve.multihost.Leader`, broadcasts each step
+        self.leader = None  # multi-host: `jaxserve.distributed.multihost.Leader`, broadcasts each step
         self.block_size = config.cache.block_size
         self.num_kv_blocks = resolve_num_kv_blocks(config)
         logger.info(describe_capacity(config, self.num_kv_blocks))
@@ -283,7 +283,7 @@ class ModelRunner:
         self.params = prepare_params(
             self.cfg, params.tree if owned else params, unroll_layers=config.unroll_layers,
             place=functools.partial(self.tp.place_params, alias_host=owned))
-        # Layer-group programs (`jaxserve.layer_stack`) with unrolled layers; the scan keeps
+        # Layer-group programs (`jaxserve.worker.layer_stack`) with unrolled layers; the scan keeps
         # the one-program stack over the stacked [L, ...] weights and cache.
         self.group = None
         if config.unroll_layers:
@@ -452,7 +452,7 @@ class ModelRunner:
                                       vocab_size=V), errors
 
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, RowResult]:
-        """Run one step (see `jaxserve.runner.Runner.execute`).
+        """Run one step (see `jaxserve.worker.runner.Runner.execute`).
 
         Raises:
           ValueError: a plan the bucket or block table cannot hold (from build_batch).
@@ -534,7 +534,7 @@ class ModelRunner:
 
     def _group_stack_args(self, t_pad: int) -> dict[str, tuple[Any, tuple]]:
         """{part: (jitted function, example arguments)} of a token bucket's layer-group
-        stack (`jaxserve.layer_stack`): the embed, G-layer and final programs."""
+        stack (`jaxserve.worker.layer_stack`): the embed, G-layer and final programs."""
         host = self._padding_batch(t_pad, self.max_seq_bucket)
         g, p = self.group, self._param_specs
         x = jax.ShapeDtypeStruct((t_pad, self.cfg.hidden_size), p["embed"].dtype)

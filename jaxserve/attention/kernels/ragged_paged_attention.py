@@ -11,12 +11,12 @@ model still fills the matrix unit's rows.
 
 Layers (as in jax/experimental/pallas/ops/gpu):
   * `_rpa_kernel`: the kernel body; its online softmax is
-    `jaxserve.model.online_softmax.online_softmax_step`, shared with the xla path.
+    `jaxserve.attention.kernels.online_softmax.online_softmax_step`, shared with the xla path.
   * `ragged_paged_attention`: the jitted wrapper (static, keyword-only tiles).
-The host tiling (`query_tiles`) is in `jaxserve.model.attention.common`, the
+The host tiling (`query_tiles`) is in `jaxserve.attention.common`, the
 backend object that builds this kernel's metadata in
-`jaxserve.model.attention.pallas_triton`, and the float64 reference it is tested
-against in `jaxserve.model.attention.reference`.
+`jaxserve.attention.pallas_triton`, and the float64 reference it is tested
+against in `jaxserve.attention.reference`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.model.online_softmax import init_state, normalize, online_softmax_step
+from jaxserve.attention.kernels.online_softmax import init_state, normalize, online_softmax_step
 
 
 def next_pow2(x: int) -> int:

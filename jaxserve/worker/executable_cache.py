@@ -57,10 +57,11 @@ SUFFIX = ".jxe"
 # Source files (relative to the jaxserve package; a directory means every *.py in it)
 # that the step programs are traced from. A branch that adds code run inside a program
 # adds its file here, or a cached program could outlive the code that made it.
-PROGRAM_SOURCES = ("model_runner.py", "sampler.py", "sampling_params.py", "validation.py",
-                   "batch.py", "config.py", "runner.py", "scheduler/output.py",
-                   "scheduler/buckets.py", "parallel.py", "layer_stack.py", "scoring.py",
-                   "model", "pallas")
+# Whole folders (relative to the package root), so a module moved or added inside them
+# is covered without editing this list; plus the top-level modules a program reads.
+PROGRAM_SOURCES = ("worker", "sample", "model", "attention", "distributed",
+                   "scheduler/output.py", "scheduler/buckets.py",
+                   "config.py", "sampling_params.py", "validation.py", "errors.py")
 
 # EngineConfig fields that only steer scheduling / serving, never a program. Every other
 # field (including ones added later) is part of the key: a new field can only cause a
@@ -82,11 +83,11 @@ _JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_dtype
 
 def _source_digest() -> str:
     """sha256 over the `PROGRAM_SOURCES` files (*.py and *.cc; path + content, sorted)."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent  # the jaxserve package
     files: list[Path] = []
     for rel in PROGRAM_SOURCES:
         p = root / rel
-        # *.cc: the native CPU kernels a program calls (model/attention/native/)
+        # *.cc: the native CPU kernels a program calls (attention/native/)
         files += sorted([*p.rglob("*.py"), *p.rglob("*.cc")]) if p.is_dir() else [p]
     h = hashlib.sha256()
     for f in files:
@@ -150,7 +151,7 @@ def _static_parts() -> dict:
         }
     parts = dict(_STATIC_PARTS)
     parts["jax_flags"] = {n: str(getattr(jax.config, n, None)) for n in _JAX_FLAGS}
-    from jaxserve.model.attention import native_cpu  # whether decode used the native kernel
+    from jaxserve.attention import native_cpu  # whether decode used the native kernel
 
     parts["native_cpu_decode"] = native_cpu.status()
     return parts

@@ -8,7 +8,7 @@
   registry.py       get_attention_backend(name, cfg, block_size=, interpret=)
 """
 
-from jaxserve.model.attention.common import AttentionBackend, CommonAttentionMetadata
-from jaxserve.model.attention.registry import get_attention_backend
+from jaxserve.attention.common import AttentionBackend, CommonAttentionMetadata
+from jaxserve.attention.registry import get_attention_backend
 
 __all__ = ["AttentionBackend", "CommonAttentionMetadata", "get_attention_backend"]

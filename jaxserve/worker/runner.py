@@ -2,8 +2,8 @@
 
 vLLM V1 splits its engine core from a model executor/worker the same way:
 the core schedules, the runner turns one plan into sampled tokens. Two
-classes implement `Runner`: `jaxserve.model_runner.ModelRunner` (the model,
-the KV cache and the bucket programs) and `jaxserve.scheduler.testing.FakeRunner`
+classes implement `Runner`: `jaxserve.worker.model_runner.ModelRunner` (the model,
+the KV cache and the bucket programs) and `jaxserve.worker.fake_runner.FakeRunner`
 (scripted tokens, no model). Plain Python + NumPy: no jax import here, so the
 fake stays usable where jax must not be loaded.
 """
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Mapping, Protocol, Union
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxserve.request import Request
+    from jaxserve.scheduler.request import Request
     from jaxserve.scheduler.output import SchedulerOutput
 
 
@@ -76,7 +76,7 @@ class RunnerStats:
       late_compiles: programs a step needed that warm-up had not built.
       steps_by_shape: {(T_pad, S_pad): steps run at that shape}.
       programs_restored: programs deserialized from the executable cache (no trace,
-        no compile; `jaxserve.executable_cache`).
+        no compile; `jaxserve.worker.executable_cache`).
       programs_ready: programs built so far (progressive warm-up: of warmup_programs).
       ready_seconds: wall seconds from warm-up start to ready (serving may begin).
       warmup_done: every warm-up program is ready (false while progressive warm-up
@@ -119,7 +119,7 @@ class Runner(Protocol):
         Returns: request_id -> SampledToken for every row with `sample=True`
           whose host work succeeded (its `.prompt` set when the row scored
           prompt positions), request_id -> PromptLogprobs for a non-sampling row
-          that scored prompt positions (`jaxserve.scoring.score_span`), and
+          that scored prompt positions (`jaxserve.worker.scoring.score_span`), and
           request_id -> RowError for every row whose own host work failed.
         Raises: any failure of the whole step (device error, bad plan); the
           caller then calls `reset()` and retries the step's rows once.

@@ -25,8 +25,8 @@ from typing import Mapping
 
 import numpy as np
 
-from jaxserve.request import Request
-from jaxserve.runner import PromptLogprobs, SampledToken
+from jaxserve.scheduler.request import Request
+from jaxserve.worker.runner import PromptLogprobs, SampledToken
 from jaxserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
+from jaxserve.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
                                              stacked_cache, tile_step)
-from jaxserve.model.attention.xla import XlaBackend
-from jaxserve.pallas import ragged_paged_attention_mosaic as rpm
+from jaxserve.attention.xla import XlaBackend
+from jaxserve.attention.kernels import ragged_paged_attention_mosaic as rpm
 
 
 @functools.partial(

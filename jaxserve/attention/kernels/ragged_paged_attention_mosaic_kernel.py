@@ -1,9 +1,9 @@
 """The Mosaic GPU ragged paged-attention kernel body (see ragged_paged_attention_mosaic.py).
 
 One program = one query tile x one KV head; the wrapper, tiles and shape checks are
-in `jaxserve.pallas.ragged_paged_attention_mosaic` (the module to import), the host
-metadata in `jaxserve.model.attention.pallas_mosaic`. Kept apart so that each file
-stays readable. At module level this file imports only `jaxserve.model.online_softmax`
+in `jaxserve.attention.kernels.ragged_paged_attention_mosaic` (the module to import), the host
+metadata in `jaxserve.attention.pallas_mosaic`. Kept apart so that each file
+stays readable. At module level this file imports only `jaxserve.attention.kernels.online_softmax`
 from the project (no import cycle through the attention package).
 """
 
@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # The one finite mask value of every attention path (see online_softmax's docstring).
-from jaxserve.model.online_softmax import MASK_VALUE
+from jaxserve.attention.kernels.online_softmax import MASK_VALUE
 SWIZZLE = 128  # bytes; the minor SMEM tile is SWIZZLE / itemsize elements
 
 

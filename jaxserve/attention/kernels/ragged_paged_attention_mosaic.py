@@ -28,12 +28,12 @@ into hi = bf16(x), lo = bf16(x - hi) and every product is hi*hi + hi*lo + lo*hi 
 WGMMAs; relative error ~2^-16 instead of bf16's 2^-8).
 
 The kernel body is in `ragged_paged_attention_mosaic_kernel.py`. The host side (per-tile
-arrays from `jaxserve.model.attention.common.query_tiles`, `mosaic_metadata`) and the
-backend object are in `jaxserve.model.attention.pallas_mosaic` (`PallasMosaicBackend`,
+arrays from `jaxserve.attention.common.query_tiles`, `mosaic_metadata`) and the
+backend object are in `jaxserve.attention.pallas_mosaic` (`PallasMosaicBackend`,
 name "pallas_mosaic"); this module and the kernel file import nothing from
-`jaxserve.model.attention` (its `__init__` imports the registry, which imports the
+`jaxserve.attention` (its `__init__` imports the registry, which imports the
 backends: a cycle).
-KV write: this backend keeps the XLA scatter (`jaxserve.model.attention.xla.write_kv_xla`).
+KV write: this backend keeps the XLA scatter (`jaxserve.attention.xla.write_kv_xla`).
 Per layer it moves T*K*D elements per cache (1 MiB for 512 tokens x 8 heads x 128 in
 bf16), under 1% of what attention reads in the same step at 2k context, as one fused
 scatter that XLA applies in place to the donated or scan-carried cache (no copy in the
@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.pallas.ragged_paged_attention_mosaic_kernel import (KernelStatic, kernel_scratch,
+from jaxserve.attention.kernels.ragged_paged_attention_mosaic_kernel import (KernelStatic, kernel_scratch,
                                                                 rpa_kernel)
 
 SMEM_BYTES = 227 * 1024  # usable shared memory per block on H100/H200 (sm_90)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import jax
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.attention.common import AttentionBackend
-from jaxserve.model.attention.xla import XlaBackend
+from jaxserve.attention.common import AttentionBackend
+from jaxserve.attention.xla import XlaBackend
 
 # The Pallas backends are imported when chosen: jax.experimental.pallas (Mosaic GPU
 # included) costs ~0.5-0.7 s of a CPU start-up that runs the xla backend.
@@ -125,9 +125,9 @@ def get_attention_backend(name: str, cfg: ModelConfig, *, block_size: int,
     kw = dict(block_size=block_size, num_queries_per_kv=cfg.num_queries_per_kv,
               head_dim=cfg.head_dim, interpret=interpret)
     if chosen == "pallas_mosaic":
-        from jaxserve.model.attention.pallas_mosaic import PallasMosaicBackend
+        from jaxserve.attention.pallas_mosaic import PallasMosaicBackend
 
         return PallasMosaicBackend(dtype=cfg.dtype, **kw)
-    from jaxserve.model.attention.pallas_triton import PallasTritonBackend
+    from jaxserve.attention.pallas_triton import PallasTritonBackend
 
     return PallasTritonBackend(**kw)

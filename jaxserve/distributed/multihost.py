@@ -2,7 +2,7 @@
 
 `initialize` starts `jax.distributed` (CPU collectives through gloo, so the same
 code runs on one machine's processes in tests); after it `jax.devices()` lists
-every process's devices and `jaxserve.parallel.TensorParallel` builds its mesh
+every process's devices and `jaxserve.distributed.tensor_parallel.TensorParallel` builds its mesh
 over them unchanged. Every process builds the same `ModelRunner` (each places
 only the shards of its own devices) and compiles the same AOT programs.
 

@@ -5,8 +5,8 @@ tokens point into the null block 0 and may collide there, which is harmless sinc
 block 0 is never read as a real key (attention masks by `seq_lens`).
 
 This file holds the Pallas Triton kernel, aliased in place (`write_kv_pallas`). The
-XLA scatter is `jaxserve.model.attention.xla.write_kv_xla` and the NumPy reference
-`jaxserve.model.attention.reference.reference_write_kv`. All take the stacked cache
+XLA scatter is `jaxserve.attention.xla.write_kv_xla` and the NumPy reference
+`jaxserve.attention.reference.reference_write_kv`. All take the stacked cache
 [L, N, B, K, D] and a layer index, so that inside a `lax.scan` over layers the cache
 can be the scan carry and is updated in place.
 """

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.attention import AttentionBackend
+from jaxserve.attention import AttentionBackend
 from jaxserve.model.llama import decoder_layer, paged_attn, rms_norm, rope_inv_freq
 
 

@@ -6,9 +6,9 @@ V1's EngineCore): the scheduler plans, the runner executes the plan (one
 bucketed program on the device, or a fake), the scheduler applies the sampled
 tokens and stop rules, and the output processor turns tokens into text,
 logprobs and `RequestOutput`s. The split follows vLLM V1: prompts become
-requests in `jaxserve.input_processor`, outputs are assembled in
-`jaxserve.output_processor`, and the runner sits behind the `Runner`
-protocol (`jaxserve.runner`), so tests and dry runs plug in `FakeRunner`.
+requests in `jaxserve.engine.input_processor`, outputs are assembled in
+`jaxserve.engine.output_processor`, and the runner sits behind the `Runner`
+protocol (`jaxserve.worker.runner`), so tests and dry runs plug in `FakeRunner`.
 
 Structured output (`jaxserve.structured_output`): a request with
 `structured_outputs` is held here, out of the scheduler, until its grammar is
@@ -29,12 +29,12 @@ import time
 from typing import Any, Sequence
 
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from jaxserve.input_processor import InputProcessor, ProcessedRequest
-from jaxserve.output_processor import OutputProcessor
+from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
+from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
-from jaxserve.request import RequestStatus
-from jaxserve.runner import PromptLogprobs, RowError, Runner, SampledToken
-from jaxserve.sampler import MAX_EOS_TOKEN_IDS
+from jaxserve.scheduler.request import RequestStatus
+from jaxserve.worker.runner import PromptLogprobs, RowError, Runner, SampledToken
+from jaxserve.sample.sampler import MAX_EOS_TOKEN_IDS
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler
@@ -104,7 +104,7 @@ class LLMEngine:
       tokenizer: a `jaxserve.checkpoint.tokenizer.Tokenizer`-like object, or
         None for token-id-only use (no text, no stop strings).
       runner: what executes the steps (the `Runner` protocol); default a
-        `jaxserve.model_runner.ModelRunner` over `params`.
+        `jaxserve.worker.model_runner.ModelRunner` over `params`.
       warmup: make every bucket program ready now (recommended; a serving
         engine must not compile after warm-up).
 
@@ -119,7 +119,7 @@ class LLMEngine:
         if runner is None:
             if params is None:
                 raise ValueError("LLMEngine needs the model params or a runner")
-            from jaxserve.model_runner import ModelRunner  # jax, only for the real runner
+            from jaxserve.worker.model_runner import ModelRunner  # jax, only for the real runner
 
             runner = ModelRunner(config, params, bucket_policy=self.bucket_policy)
         self.runner: Runner = runner

@@ -15,10 +15,10 @@ import functools
 import jax
 import numpy as np
 
-from jaxserve.model.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
+from jaxserve.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
                                              stacked_cache, tile_step)
-from jaxserve.pallas import kv_cache_update as kvu
-from jaxserve.pallas import ragged_paged_attention as rpa
+from jaxserve.attention.kernels import kv_cache_update as kvu
+from jaxserve.attention.kernels import ragged_paged_attention as rpa
 
 
 def choose_block_q(num_tokens: int, num_seqs: int, num_queries_per_kv: int) -> int:

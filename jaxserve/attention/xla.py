@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxserve.model.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
+from jaxserve.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
                                              num_query_tiles, query_tiles, real_q_lens,
                                              stacked_cache)
-from jaxserve.model.attention import native_cpu
-from jaxserve.model.online_softmax import init_state, merge_into, normalize, online_softmax_step
+from jaxserve.attention import native_cpu
+from jaxserve.attention.kernels.online_softmax import init_state, merge_into, normalize, online_softmax_step
 
 
 @functools.partial(

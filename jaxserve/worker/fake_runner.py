@@ -2,7 +2,7 @@
 
 JetStream's habit: test the orchestration with a mock engine whose
 arithmetic can be checked by hand. `FakeRunner` implements the `Runner`
-protocol (`jaxserve.runner`), so it plugs into a real `LLMEngine` (engine and
+protocol (`jaxserve.worker.runner`), so it plugs into a real `LLMEngine` (engine and
 server tests without a model, in milliseconds), and it can also drive a bare
 `Scheduler` by itself: `step()` is one iteration (schedule -> execute ->
 update_from_output) and `run()` loops it over a workload with arrival times
@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from jaxserve.batch import BatchArrays, build_batch
-from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import RowError, RowResult, RunnerStats, SampledToken
+from jaxserve.worker.input_batch import BatchArrays, build_batch
+from jaxserve.scheduler.request import Request, RequestStatus
+from jaxserve.worker.runner import RowError, RowResult, RunnerStats, SampledToken
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.structured_output import GrammarDeadEnd
-from jaxserve.scoring import fake_scores, merge_scores, scoring_plan
+from jaxserve.worker.scoring import fake_scores, merge_scores, scoring_plan
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
@@ -108,7 +108,7 @@ class FakeRunner:
       block_size / max_blocks_per_seq: the layout of `build_batches` (default:
         the scheduler's).
       build_batches: lay out the padded arrays each step (exercises
-        `jaxserve.batch.build_batch` exactly as the model runner does); the
+        `jaxserve.worker.input_batch.build_batch` exactly as the model runner does); the
         last layout is `last_batch`.
       check_invariants: check the scheduler's bookkeeping after every
         schedule() and update (slow; for tests).
@@ -122,7 +122,7 @@ class FakeRunner:
         has a grammar obeys its mask: the scripted token if allowed, else the next
         allowed id above it (cyclically), as a masked sampler would pick some allowed id.
       score: whether `warmup()` reports score programs (prompt logprobs on); scoring rows
-        get hand-checkable scores (`jaxserve.scoring.fake_scores`) over `vocab_size` ids
+        get hand-checkable scores (`jaxserve.worker.scoring.fake_scores`) over `vocab_size` ids
         (1000 without it).
     """
 
@@ -185,7 +185,7 @@ class FakeRunner:
         self._stats.warmup_done = True
 
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, RowResult]:
-        """Scripted tokens for the plan's sampling rows (see `jaxserve.runner.Runner`).
+        """Scripted tokens for the plan's sampling rows (see `jaxserve.worker.runner.Runner`).
 
         Raises:
           RuntimeError: a row's request matches `fail_step`.

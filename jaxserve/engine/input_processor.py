@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.request import Request
+from jaxserve.scheduler.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.validation import Limits, is_int, validate_priority, validate_sampling_params
 

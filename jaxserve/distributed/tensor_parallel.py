@@ -28,7 +28,7 @@ the sharded K axis; left to sharding propagation that would all-gather the
 cache every layer, so it runs per shard as the Pallas kernels do.
 
 The mesh is built from `jax.devices()` (the global devices), so the same code
-serves one process or JAX's multi-controller runtime (`jaxserve.multihost`).
+serves one process or JAX's multi-controller runtime (`jaxserve.distributed.multihost`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.attention.common import AttentionBackend
+from jaxserve.attention.common import AttentionBackend
 
 DP_AXIS, TP_AXIS = "dp", "tp"
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
-from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.input_processor import ProcessedRequest
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.input_processor import ProcessedRequest
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import PromptLogprobs, SampledToken
+from jaxserve.scheduler.request import Request, RequestStatus
+from jaxserve.worker.runner import PromptLogprobs, SampledToken
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.scheduler.scheduler import Scheduler
 

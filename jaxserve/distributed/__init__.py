@@ -1,0 +1,1 @@
+"""Tensor parallelism (`tensor_parallel`) and multi-host serving (`multihost`)."""

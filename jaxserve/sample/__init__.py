@@ -1,0 +1,1 @@
+"""Sampling: `metadata` is the host half (NumPy), `sampler` the device half (jax)."""

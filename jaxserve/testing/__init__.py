@@ -1,0 +1,1 @@
+"""Test support shipped with the package: fault points for crash-safety tests (`faults`)."""
