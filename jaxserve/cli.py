@@ -142,7 +142,7 @@ def build_engine(auto_warmup: str = "full"):
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.worker.model_runner import enable_compilation_cache, enable_executable_cache
+    from jaxserve.worker.compile import enable_compilation_cache, enable_executable_cache
     from jaxserve.distributed.tensor_parallel import OwnedHostParams, align_host_leaves
 
     enable_compilation_cache(FLAGS.compile_cache_dir)
@@ -193,7 +193,8 @@ def start_multihost() -> bool:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import make_engine_config
-    from jaxserve.worker.model_runner import ModelRunner, enable_compilation_cache
+    from jaxserve.worker.compile import enable_compilation_cache
+    from jaxserve.worker.model_runner import ModelRunner
     from jaxserve.scheduler.buckets import BucketPolicy
 
     enable_compilation_cache(FLAGS.compile_cache_dir)

@@ -337,7 +337,7 @@ class EngineConfig:
     # checked against the heads and the devices by the runner, before any compile.
     tensor_parallel_size: int = 1
     # "full": every program is built before the engine is ready. "progressive": ready once
-    # the programs of the token buckets up to 8 tokens (model_runner.READY_TOKENS) and the
+    # the programs of the token buckets up to 8 tokens (worker.warmup.READY_TOKENS) and the
     # heads their steps can need are built;
     # the rest compile in a background thread while steps are capped at the largest
     # ready bucket (`BucketPolicy.program_stages`).

@@ -99,7 +99,7 @@ class LLM:
         if engine is None:
             from jaxserve.checkpoint import load_model
             from jaxserve.checkpoint.default import resolve_model_path
-            from jaxserve.worker.model_runner import enable_compilation_cache, enable_executable_cache
+            from jaxserve.worker.compile import enable_compilation_cache, enable_executable_cache
 
             enable_compilation_cache(compile_cache_dir)
             enable_executable_cache(executable_cache_dir)

@@ -25,7 +25,9 @@ import jax.numpy as jnp
 
 from jaxserve.checkpoint import load_model
 from jaxserve.engine import make_engine_config
-from jaxserve.worker.model_runner import ModelRunner, _head_fn, _stack_fn, enable_compilation_cache
+from jaxserve.worker.compile import enable_compilation_cache
+from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.programs import _head_fn, _stack_fn
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import ScheduledRequest, SchedulerOutput

@@ -47,7 +47,7 @@ def main() -> None:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.worker.model_runner import enable_compilation_cache
+    from jaxserve.worker.compile import enable_compilation_cache
 
     enable_compilation_cache(a.compile_cache_dir)
     path = resolve_model_path(a.model)

@@ -96,7 +96,7 @@ def main() -> None:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.worker.model_runner import enable_compilation_cache, enable_executable_cache
+    from jaxserve.worker.compile import enable_compilation_cache, enable_executable_cache
     from jaxserve.sampling_params import SamplingParams
 
     enable_compilation_cache(args.compile_cache_dir)

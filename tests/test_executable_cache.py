@@ -26,13 +26,13 @@ _SCRIPT = textwrap.dedent("""
     logging.getLogger("jaxserve.worker.executable_cache").setLevel(logging.DEBUG)
     from conftest import tiny_params
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.worker.model_runner import enable_executable_cache
+    from jaxserve.worker.compile import enable_executable_cache
     from jaxserve.sampling_params import SamplingParams
 
     cache_dir, overrides = sys.argv[1], json.loads(sys.argv[2])
     enable_executable_cache(cache_dir)
     if len(sys.argv) > 3:
-        from jaxserve.worker.model_runner import enable_compilation_cache
+        from jaxserve.worker.compile import enable_compilation_cache
         enable_compilation_cache(sys.argv[3])
     cfg, params = tiny_params()
     args = dict(max_model_len=64, block_size=4, num_kv_blocks=32, max_num_seqs=2,
@@ -198,7 +198,7 @@ def test_every_traced_module_is_in_the_source_digest():
 
     from jaxserve.model import llama
     from jaxserve.sample import sampler
-    from jaxserve.worker import executable_cache, layer_stack, model_runner, scoring
+    from jaxserve.worker import executable_cache, layer_stack, programs, scoring
     from jaxserve.attention import native_cpu, xla
 
     root = Path(executable_cache.__file__).resolve().parent.parent
@@ -206,7 +206,7 @@ def test_every_traced_module_is_in_the_source_digest():
     for rel in executable_cache.PROGRAM_SOURCES:
         p = root / rel
         covered |= set(p.rglob("*.py")) if p.is_dir() else {p}
-    fns = [model_runner._stack_fn, model_runner._head_fn, model_runner._score_fn,
+    fns = [programs._stack_fn, programs._head_fn, programs._score_fn,
            layer_stack.embed_fn, layer_stack.layers_fn, layer_stack.final_fn, sampler.sample,
            llama.decoder_layer, xla.XlaBackend, native_cpu.paged_decode, scoring.scoring_plan]
     for fn in fns:

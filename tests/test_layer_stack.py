@@ -84,7 +84,7 @@ def test_group_sizes_agree_with_the_one_program_stack_and_the_scan(layouts):
 def test_programs_and_cache_layout(layouts):
     for name, g in (("G1", 1), ("G2", 2), ("G4", 4)):
         runner = layouts[name][1].runner
-        stacks = {k: p for k, p in runner._programs.items() if k[0] == "stack"}
+        stacks = {k: p for k, p in runner.programs.programs.items() if k[0] == "stack"}
         assert sorted(stacks) == [("stack", 4), ("stack", 16)]
         assert all(isinstance(p, LayerStackProgram) and p.group == g for p in stacks.values())
         ks, vs = runner.kv_cache
@@ -92,7 +92,7 @@ def test_programs_and_cache_layout(layouts):
         cfg = runner.model_cfg
         assert {a.shape for a in ks + vs} == {(64, 4, cfg.num_key_value_heads, cfg.head_dim)}
     scan = layouts["scan"][1].runner
-    assert not any(isinstance(p, LayerStackProgram) for p in scan._programs.values())
+    assert not any(isinstance(p, LayerStackProgram) for p in scan.programs.programs.values())
     assert [a.shape[0] for a in scan.kv_cache] == [L, L]  # the stacked [L, N, B, K, D] cache
     assert not any(a.is_deleted() for a in jax.tree.leaves(layouts["G1"][1].runner.kv_cache))
 
@@ -115,7 +115,7 @@ def test_a_failure_mid_stack_is_retried_on_a_rebuilt_cache(layouts):
     calls = {"n": 0}
     fail_at = 3 * L + 2  # the 4th step, its 2nd layer call: layer 0's cache already replaced
 
-    for key, prog in list(runner._programs.items()):
+    for key, prog in list(runner.programs.programs.items()):
         if key[0] == "stack":
             def layers(*args, _real=prog.layers):
                 calls["n"] += 1
@@ -123,7 +123,7 @@ def test_a_failure_mid_stack_is_retried_on_a_rebuilt_cache(layouts):
                     args[1][0].delete()  # the donated cache of the failing call is lost
                     raise RuntimeError("injected failure in layer 1")
                 return _real(*args)
-            runner._programs[key] = dataclasses.replace(prog, layers=layers)
+            runner.programs.programs[key] = dataclasses.replace(prog, layers=layers)
     res = _run(engine)
     assert calls["n"] > fail_at
     assert engine.get_stats()["num_failed_steps"] == 1

@@ -27,10 +27,10 @@ def test_late_compile_is_counted_and_strict_mode_refuses():
     runner = engine.runner
     assert engine.config.strict_compiles and runner.strict_compiles
     assert runner.stats().warmup_programs == 3
-    assert sorted(runner._programs) == [("head", 4), ("score", 16), ("stack", 16)]
+    assert sorted(runner.programs.programs) == [("head", 4), ("score", 16), ("stack", 16)]
     P = prompt_of(9, salt=50)
     late0 = runner.stats().late_compiles
-    del runner._programs[("head", 4)]
+    del runner.programs.programs[("head", 4)]
     out = run_all(engine, [("strict", P, greedy(3))])["strict"].outputs[0]
     assert out.finish_reason == "error" and "strict_compiles" in out.error
     assert "no head program for bucket 4" in out.error
@@ -44,7 +44,7 @@ def test_late_compile_is_counted_and_strict_mode_refuses():
         runner.strict_compiles = True
     assert out.token_ids == cached_reference(tuple(P), 3)  # compiled late, still correct
     assert runner.stats().late_compiles == late0 + refused + 1
-    assert sorted(runner._programs) == [("head", 4), ("score", 16), ("stack", 16)]  # late one kept
+    assert sorted(runner.programs.programs) == [("head", 4), ("score", 16), ("stack", 16)]  # late one kept
     assert_idle_and_clean(engine)
 
 
@@ -53,7 +53,8 @@ _CACHE_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, "tests")
     from conftest import tiny_params
     from jaxserve.engine import make_engine_config
-    from jaxserve.worker.model_runner import ModelRunner, enable_compilation_cache
+    from jaxserve.worker.compile import enable_compilation_cache
+    from jaxserve.worker.model_runner import ModelRunner
     from jaxserve.scheduler.buckets import BucketPolicy
 
     enable_compilation_cache(sys.argv[1])

@@ -183,7 +183,7 @@ def test_zero_kv_pages_are_released_and_read_back_as_zero_then_fill_in_place():
 def test_an_engine_kv_cache_is_resident_only_where_written(monkeypatch):
     from jaxserve.distributed import tensor_parallel as parallel
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.worker.model_runner import kv_bytes_per_block
+    from jaxserve.worker.kv_cache import kv_bytes_per_block
 
     cfg, _ = tiny_params()
     blocks = (96 << 20) // kv_bytes_per_block(cfg, 4)  # a ~96 MiB pool of 4-token blocks

@@ -203,7 +203,7 @@ def _lower_sharded_stack(kernel: str, tp: int, *, per_layer: bool = False) -> st
     from jaxserve.attention.pallas_mosaic import PallasMosaicBackend
     from jaxserve.attention.pallas_triton import PallasTritonBackend
     from jaxserve.model.llama import param_shapes
-    from jaxserve.worker.model_runner import StepBatch, _stack_fn
+    from jaxserve.worker.programs import StepBatch, _stack_fn
     from tests.pallas.cases import empty_common
 
     cfg = ModelConfig.tiny(num_attention_heads=H, num_key_value_heads=K, head_dim=64,

@@ -2,7 +2,7 @@
 buckets' programs, the larger buckets built in a background thread while the scheduler
 caps every step at the largest ready bucket; strict_compiles still refuses a late one.
 
-The background build is gated (a `threading.Event` in front of `ModelRunner._build`), so
+The background build is gated (a `threading.Event` in front of `ProgramTable.build`), so
 the "serving while warming up" phase is deterministic, not a race against the compiler.
 The oracle is the unpaged `reference_greedy` of tests/test_engine.py.
 """
@@ -91,7 +91,7 @@ def _gated_engine(**over):
     config = make_engine_config(cfg, **dict(ARGS, warmup="progressive", **over))
     engine = LLMEngine(config, params, tiny_tokenizer(), model_name="tiny", warmup=False)
     runner, gate = engine.runner, threading.Event()
-    build = runner._build
+    build = runner.programs.build
     first_t = engine.bucket_policy.token_buckets[0]
 
     def gated_build(key):
@@ -100,7 +100,7 @@ def _gated_engine(**over):
             assert gate.wait(600), "test gate never opened"
         return build(key)
 
-    runner._build = gated_build
+    runner.programs.build = gated_build
     return engine, gate
 
 
@@ -153,7 +153,7 @@ def test_a_step_past_the_cap_is_a_counted_strict_refusal():
         assert out.finish_reason == "error" and "no stack program for bucket 32" in out.error
         assert runner.stats().late_compiles >= 1
         assert engine.get_stats()["num_compiles_after_warmup"] == runner.stats().late_compiles
-        assert ("stack", 32) not in runner._programs  # refused, not compiled on the step
+        assert ("stack", 32) not in runner.programs.programs  # refused, not compiled on the step
         policy.token_cap = 8
         gate.set()
         assert runner.wait_warmup(300)

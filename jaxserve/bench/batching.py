@@ -192,7 +192,7 @@ def _real_factory(args) -> Callable[[dict[str, Any]], Any]:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.worker.model_runner import enable_compilation_cache
+    from jaxserve.worker.compile import enable_compilation_cache
 
     enable_compilation_cache(args.compile_cache_dir)
     cfg, params, tok = load_model(resolve_model_path(args.model))

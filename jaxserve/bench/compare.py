@@ -135,7 +135,7 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_byte
 def jaxserve_pool_tokens(kv_cache_mib: int, block_size: int, bytes_per_token: int) -> int:
     """Tokens jaxserve's pool holds under `--kv_cache_memory_mb`: whole blocks, minus the null block.
 
-    Mirrors `model_runner.resolve_num_kv_blocks` + `describe_capacity`
+    Mirrors `worker.kv_cache.resolve_num_kv_blocks` + `describe_capacity`
     (without importing jax). Raises ValueError if the budget holds < 2 blocks.
     """
     blocks = kv_cache_mib * 2**20 // (block_size * bytes_per_token)

@@ -34,7 +34,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.scheduler.request import RequestStatus
 from jaxserve.worker.runner import PromptLogprobs, RowError, Runner, SampledToken
-from jaxserve.sample.sampler import MAX_EOS_TOKEN_IDS
+from jaxserve.sample.metadata import MAX_EOS_TOKEN_IDS
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler

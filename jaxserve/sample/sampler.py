@@ -53,45 +53,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
-from jaxserve.validation import MAX_LOGIT_BIAS
+# The host half (NumPy): limits, `SamplingMetadata`, `SamplingRow`, `make_sampling_metadata`.
+from jaxserve.sample.metadata import (  # noqa: E402,F401 - re-exported
+    DEFAULT_TOP_WINDOW, LOGPROBS_MODES, MAX_EOS_TOKEN_IDS, SAMPLING_EPS, SUPPRESS_WIDTH,
+    SamplingMetadata, SamplingRow, make_sampling_metadata)
 
-# vLLM's _SAMPLING_EPS: temperatures below it are greedy.
-SAMPLING_EPS = 1e-5
-# At most this many EOS ids per model (Llama 3 has 3; generation configs rarely list more).
-MAX_EOS_TOKEN_IDS = 8
-# Width of SamplingMetadata.suppress_ids: stop_token_ids + eos ids.
-SUPPRESS_WIDTH = MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS
-# Largest-logit window for top-k / top-p thresholds before falling back to bisection.
-DEFAULT_TOP_WINDOW = 256
-# vLLM's logprobs modes that return logprobs (its *_logits modes are not supported).
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingMetadata:
-    """Per-row sampling parameters at a padded row count S (all array leaves).
-
-    Built on the host by `make_sampling_metadata` (NumPy leaves), device_put with the
-    rest of the step batch. Padding rows are greedy with no penalty.
-    """
-
-    temperature: jax.Array  # f32[S]; < 1e-5 means greedy
-    top_k: jax.Array  # i32[S]; 0 or -1 = off, >= V same as off, 1 = greedy
-    top_p: jax.Array  # f32[S] in (0, 1]; 1 = off
-    min_p: jax.Array  # f32[S] in [0, 1]; 0 = off
-    rng_key: jax.Array  # u32[S, 2]; raw threefry key data of the request's seed (hi, lo)
-    output_pos: jax.Array  # i32[S]; index of the output token being sampled (folded into the key)
-    repetition_penalty: jax.Array  # f32[S]; 1 = off
-    presence_penalty: jax.Array  # f32[S]; 0 = off
-    frequency_penalty: jax.Array  # f32[S]; 0 = off
-    token_history: jax.Array  # i32[S, max_model_len]; prompt ids then output ids, -1 = empty
-    prompt_lens: jax.Array  # i32[S]; token_history[:, :prompt_lens] are prompt tokens
-    suppress_ids: jax.Array  # i32[S, SUPPRESS_WIDTH]; ids masked to -inf (min_tokens), -1 = none
-    logit_bias_ids: jax.Array  # i32[S, MAX_LOGIT_BIAS]; biased ids, padding entries 0
-    logit_bias_values: jax.Array  # f32[S, MAX_LOGIT_BIAS]; added to the logits, padding 0
-    allowed_bitmask: jax.Array  # i32[S, ceil(V/32)] (or [S, 0]: no mask); -1 = all allowed
+# The metadata crosses into jitted programs: a pytree whose leaves are all its fields.
+jax.tree_util.register_dataclass(SamplingMetadata)
 
 
 @jax.tree_util.register_dataclass
@@ -103,141 +71,6 @@ class SamplerOutput:
     logprobs: jax.Array  # f32[S]; raw-distribution logprob of token_ids
     top_ids: jax.Array  # i32[S, max_logprobs]; most likely ids, descending
     top_logprobs: jax.Array  # f32[S, max_logprobs]
-
-
-@dataclasses.dataclass
-class SamplingRow:
-    """Host-side description of one row to sample (one request, or one of its n samples).
-
-    `seed` is already resolved (the engine draws one for unseeded requests and derives
-    a distinct one per sample when n > 1). `output_pos` is the number of output tokens
-    that sample already has, i.e. the index of the token being sampled.
-    """
-
-    params: SamplingParams
-    seed: int
-    output_pos: int
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    eos_token_ids: tuple[int, ...] = ()
-    grammar: Any = None  # a structured_output.GrammarMatcher: fills this row's bitmask
-
-
-def _uses_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def _fill_token_lists(i: int, row: SamplingRow, max_model_len: int, history: np.ndarray,
-                      prompt_lens: np.ndarray, suppress: np.ndarray, bias_ids: np.ndarray,
-                      bias_values: np.ndarray) -> None:
-    """Row i's token-id inputs: penalty history, min_tokens suppression, logit_bias.
-
-    Raises:
-      ValueError: a penalised history longer than max_model_len, or more than
-        MAX_LOGIT_BIAS logit_bias entries.
-    """
-    p = row.params
-    if _uses_penalties(p):
-        n_prompt, n_out = len(row.prompt_token_ids), len(row.output_token_ids)
-        if n_prompt + n_out > max_model_len:
-            raise ValueError(
-                f"rows[{i}] history of {n_prompt}+{n_out} tokens exceeds "
-                f"max_model_len={max_model_len}")
-        history[i, :n_prompt] = np.asarray(row.prompt_token_ids, np.int32)
-        history[i, n_prompt:n_prompt + n_out] = np.asarray(row.output_token_ids, np.int32)
-        prompt_lens[i] = n_prompt
-    if len(row.output_token_ids) < p.min_tokens:
-        # vLLM: min_tokens suppresses the tokens that would stop the request; with
-        # ignore_eos EOS does not stop it, so EOS stays sampleable (DESIGN.md).
-        ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(row.eos_token_ids))
-        suppress[i, :len(ids)] = ids
-    if p.logit_bias:
-        if len(p.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"rows[{i}] has {len(p.logit_bias)} logit_bias entries, "
-                             f"at most MAX_LOGIT_BIAS={MAX_LOGIT_BIAS}")
-        pairs = np.asarray(p.logit_bias, np.float64)  # [n, 2]; ids < 2**31 are exact
-        bias_ids[i, :len(pairs)] = pairs[:, 0]
-        bias_values[i, :len(pairs)] = pairs[:, 1]
-
-
-def make_sampling_metadata(
-    rows: Sequence[SamplingRow | None], *, num_rows: int, max_model_len: int,
-    vocab_size: int | None = None,
-) -> SamplingMetadata:
-    """Build padded NumPy sampling arrays for one step.
-
-    Args:
-      rows: one entry per scheduled sequence slot; None (and slots past len(rows)) are
-        padding rows: greedy, no penalty, no suppression.
-      num_rows: S_pad, the bucketed row count (>= len(rows)).
-      max_model_len: width of the token history; prompt+output of a penalised row must fit.
-      vocab_size: V of the allowed-token bitmask [S, ceil(V/32)] (all ones except the
-        rows whose `grammar` fills theirs); None: a [S, 0] bitmask (no grammar rows).
-
-    Returns:
-      SamplingMetadata with NumPy leaves of the shapes documented on the class.
-
-    Raises:
-      ValueError: len(rows) > num_rows, a seed outside [0, 2**64), a negative output_pos,
-        more than MAX_EOS_TOKEN_IDS eos ids, more than MAX_LOGIT_BIAS logit_bias entries,
-        a penalised row whose history exceeds max_model_len, or a grammar row without
-        vocab_size.
-      structured_output.GrammarDeadEnd: a grammar row with no allowed token.
-    """
-    if len(rows) > num_rows:
-        raise ValueError(f"len(rows)={len(rows)} exceeds num_rows={num_rows}")
-    if max_model_len < 1:
-        raise ValueError(f"max_model_len={max_model_len} must be >= 1")
-    S = num_rows
-    temperature = np.zeros(S, np.float32)
-    top_k = np.zeros(S, np.int32)
-    top_p = np.ones(S, np.float32)
-    min_p = np.zeros(S, np.float32)
-    rng_key = np.zeros((S, 2), np.uint32)
-    output_pos = np.zeros(S, np.int32)
-    rep = np.ones(S, np.float32)
-    pres = np.zeros(S, np.float32)
-    freq = np.zeros(S, np.float32)
-    history = np.full((S, max_model_len), -1, np.int32)  # cheap when no row is penalised
-    prompt_lens = np.zeros(S, np.int32)
-    suppress = np.full((S, SUPPRESS_WIDTH), -1, np.int32)
-    bias_ids = np.zeros((S, MAX_LOGIT_BIAS), np.int32)
-    bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
-    bitmask = np.full((S, 0 if vocab_size is None else (vocab_size + 31) // 32), -1, np.int32)
-    for i, row in enumerate(rows):
-        if row is None:
-            continue
-        p = row.params
-        if not 0 <= row.seed < 2**64:
-            raise ValueError(f"rows[{i}].seed={row.seed} must be in [0, 2**64)")
-        if not 0 <= row.output_pos < 2**31:
-            raise ValueError(f"rows[{i}].output_pos={row.output_pos} must be in [0, 2**31)")
-        if len(row.eos_token_ids) > MAX_EOS_TOKEN_IDS:
-            raise ValueError(
-                f"rows[{i}].eos_token_ids has {len(row.eos_token_ids)} ids, "
-                f"at most MAX_EOS_TOKEN_IDS={MAX_EOS_TOKEN_IDS}")
-        temperature[i] = p.temperature
-        # top_k >= V is "off" (the validator already turns it into 0); the clamp keeps a
-        # params object that skipped the validator from overflowing the int32 array.
-        top_k[i] = min(p.top_k, np.iinfo(np.int32).max)
-        top_p[i] = p.top_p
-        min_p[i] = p.min_p
-        rng_key[i] = (row.seed >> 32, row.seed & 0xFFFFFFFF)
-        output_pos[i] = row.output_pos
-        rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        _fill_token_lists(i, row, max_model_len, history, prompt_lens, suppress, bias_ids,
-                          bias_values)
-        if row.grammar is not None:
-            if vocab_size is None:
-                raise ValueError(f"rows[{i}] has a grammar but make_sampling_metadata got no "
-                                 "vocab_size for the bitmask")
-            row.grammar.fill_bitmask(bitmask[i])
-    return SamplingMetadata(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng_key=rng_key,
-        output_pos=output_pos, repetition_penalty=rep, presence_penalty=pres,
-        frequency_penalty=freq, token_history=history, prompt_lens=prompt_lens,
-        suppress_ids=suppress, logit_bias_ids=bias_ids, logit_bias_values=bias_values,
-        allowed_bitmask=bitmask)
 
 
 def apply_bitmask(x: jax.Array, bitmask: jax.Array) -> jax.Array:

@@ -1,0 +1,71 @@
+"""The step's programs as pure functions of (params, kv_cache, batch arrays).
+
+`_stack_fn` (one per token bucket T_pad), `_head_fn` (one per seq bucket S_pad) and
+`_score_fn` (one per T_pad, steps with scoring rows only) are jitted and compiled
+ahead of time by `jaxserve.worker.model_runner.ModelRunner`; with unrolled layers a
+stack is the three programs of `jaxserve.worker.layer_stack` instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.attention import AttentionBackend
+from jaxserve.config import ModelConfig
+from jaxserve.model.llama import compute_logits, paged_attn, run_layers
+from jaxserve.sample.sampler import SamplingMetadata, sample
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """The step's inputs at bucket shape (T = T_pad, S = S_pad); NumPy leaves on the
+    host, device arrays after the one `device_put`."""
+
+    input_ids: Any  # i32[T] token ids; padding 0
+    positions: Any  # i32[T] position of each token; padding 0
+    attn_md: Any  # the attention backend's metadata (`backend.prepare`), a registered dataclass
+    logits_indices: Any  # i32[S] flat token index of each row's last token; padding 0
+    sampling: SamplingMetadata  # per-row sampling parameters, [S] leading axis
+
+
+def _stack_fn(cfg: ModelConfig, backend: AttentionBackend, params, kv_cache, batch: StepBatch):
+    """Layer-stack program (one per T_pad): the decoder over the padded tokens, then the
+    final-normed hidden rows at logits_indices, f32/cfg.dtype [S_max, E], the cache, and
+    all final-normed hidden rows [T_pad, E] (the score program's input; they stay on the
+    device). `batch.sampling` is None here. Equals `llama.forward_paged` up to the LM head."""
+    hidden, kv_cache = run_layers(cfg, params, batch.input_ids, batch.positions,
+                                  paged_attn(cfg, batch.attn_md, backend), kv_cache)
+    return hidden[batch.logits_indices], kv_cache, hidden
+
+
+def _score_fn(cfg: ModelConfig, k: int, params, hidden, targets):
+    """Score program (one per T_pad, only in steps with scoring rows): LM head over every
+    hidden row [T_pad, E], log_softmax, then each row's target logprob f32[T_pad] and the
+    top-k ids i32[T_pad, k] / logprobs f32[T_pad, k] (k = max_logprobs; raw logprobs, as
+    vLLM's prompt_logprobs). `targets` i32[T_pad] (`jaxserve.worker.scoring.ScoringPlan`)."""
+    logits = compute_logits(cfg, params, hidden)  # f32[T_pad, V]
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [T_pad]
+    tgt = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    if k == 0:
+        t = logits.shape[0]
+        return tgt, jnp.zeros((t, 0), jnp.int32), jnp.zeros((t, 0), jnp.float32)
+    top_l, top_i = jax.lax.top_k(logits, k)
+    return tgt, top_i.astype(jnp.int32), top_l - lse[:, None]
+
+
+def _head_fn(cfg: ModelConfig, max_logprobs: int, logprobs_mode: str, params, rows,
+             sampling: SamplingMetadata):
+    """Head program (one per S_pad): LM head over the first S_pad of the gathered rows
+    [S_max, E] (S_pad is the sampling metadata's leading size), then the sampler."""
+    s_pad = jax.tree.leaves(sampling)[0].shape[0]
+    return sample(compute_logits(cfg, params, rows[:s_pad]), sampling, max_logprobs=max_logprobs,
+                  logprobs_mode=logprobs_mode)
