@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxserve.validation import ValidationError
+from jaxserve.errors import ValidationError
 
 # The spec kinds, in vLLM's StructuredOutputsParams field order.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")

@@ -30,6 +30,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from jaxserve.errors import ValidationError, quote  # noqa: F401 - re-exported
+
 INT32_MAX = 2**31 - 1
 # Seeds go into a 64-bit threefry key; vLLM keeps them below 2**63 (a signed int64).
 SEED_MAX = 2**63 - 1
@@ -44,32 +46,6 @@ MAX_STOP_STRING_CHARS = 256
 # sampler takes them as a fixed [S, 300] array pair (no compile per request).
 MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_LIMIT = 100.0
-# Longest repr of a bad value quoted in an error message.
-_MAX_QUOTE = 60
-
-
-class ValidationError(ValueError):
-    """A field broke its rule. `str(e)` is `"{field}={value}: {limit}"`.
-
-    Attributes:
-      field: the field at fault, e.g. "top_k" or "stop_token_ids[3]".
-      param: the top-level field name (for OpenAI's error `param`).
-      value: the offending value.
-      limit: what the value must satisfy, in words.
-    """
-
-    def __init__(self, field: str, value: Any, limit: str, *, shown: str | None = None):
-        self.field, self.value, self.limit = field, value, limit
-        self.param = field.split("[", 1)[0].split(".", 1)[0]
-        super().__init__(f"{field}={quote(value) if shown is None else shown}: {limit}")
-
-
-def quote(value: Any) -> str:
-    """repr of `value`, cut to a readable length for error messages."""
-    s = repr(value)
-    return s if len(s) <= _MAX_QUOTE else s[:_MAX_QUOTE - 3] + "..."
-
-
 @dataclass(frozen=True)
 class Limits:
     """What the served model and engine impose on a request.

@@ -37,31 +37,12 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.attention.common import AttentionBackend, MdT
+from jaxserve.model.params import param_shapes  # noqa: F401 - re-exported
 
 # One layer's weights, and a parameter tree: the canonical one (layers stacked on [L]) or
 # the engine layout (`prepare_params`: cast, and with unroll_layers a list of L layer dicts).
 LayerParams = dict[str, jax.Array]
 Params = dict[str, "jax.Array | LayerParams | list[LayerParams]"]
-
-
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...] | dict[str, tuple[int, ...]]]:
-    """The shape of every leaf of the canonical parameter tree for `cfg` (what `Llama` holds)."""
-    L, E, F = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
-    H, K, D, V = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
-    shapes = {
-        "embed": (V, E),
-        "layers": {"attn_norm": (L, E), "wq": (L, E, H * D), "wk": (L, E, K * D),
-                   "wv": (L, E, K * D), "wo": (L, H * D, E), "mlp_norm": (L, E),
-                   "w_gate": (L, E, F), "w_up": (L, E, F), "w_down": (L, F, E)},
-        "final_norm": (E,),
-    }
-    if cfg.attention_bias:
-        shapes["layers"].update(bq=(L, H * D), bk=(L, K * D), bv=(L, K * D))
-    if cfg.qk_norm:
-        shapes["layers"].update(q_norm=(L, D), k_norm=(L, D))
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (E, V)
-    return shapes
 
 
 def validate_params(cfg: ModelConfig, params: Mapping[str, object]) -> None:

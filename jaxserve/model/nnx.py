@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.llama import param_shapes
+from jaxserve.model.params import param_shapes
 
 
 class Llama(nnx.Module):
