@@ -142,11 +142,10 @@ def build_engine(auto_warmup: str = "full"):
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.worker.compile import enable_compilation_cache, enable_executable_cache
+    from jaxserve.worker.compile import enable_compilation_cache
     from jaxserve.distributed.tensor_parallel import OwnedHostParams, align_host_leaves
 
     enable_compilation_cache(FLAGS.compile_cache_dir)
-    enable_executable_cache(FLAGS.executable_cache_dir)
     path = resolve_model_path(FLAGS.model)
     cache_dir = FLAGS.params_cache_dir if FLAGS.num_processes == 1 else None  # see start_multihost
     cfg, params, tokenizer = load_model(path, dtype=FLAGS.dtype, cache_dir=cache_dir or None)
@@ -161,7 +160,8 @@ def build_engine(auto_warmup: str = "full"):
     # pages go back after each phase (peak RSS per phase: scripts/measure_rss.py).
     owned = OwnedHostParams(align_host_leaves(params))
     del params
-    engine = LLMEngine(config, owned, tokenizer, model_name=name, warmup=False)
+    engine = LLMEngine(config, owned, tokenizer, model_name=name, warmup=False,
+                       executable_cache_dir=FLAGS.executable_cache_dir or None)
     del owned
     release_host_memory()
     engine.runner.warmup()
@@ -169,7 +169,8 @@ def build_engine(auto_warmup: str = "full"):
     if FLAGS.num_processes > 1:  # the leader: each step is broadcast to the followers
         from jaxserve.distributed.multihost import Leader
 
-        Leader(engine.runner)  # stops the followers at exit
+        leader = Leader(engine.runner)  # stops the followers at exit
+        engine.runner.set_step_listener(leader.send_step)
     return engine
 
 

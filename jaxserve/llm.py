@@ -99,14 +99,14 @@ class LLM:
         if engine is None:
             from jaxserve.checkpoint import load_model
             from jaxserve.checkpoint.default import resolve_model_path
-            from jaxserve.worker.compile import enable_compilation_cache, enable_executable_cache
+            from jaxserve.worker.compile import enable_compilation_cache
 
             enable_compilation_cache(compile_cache_dir)
-            enable_executable_cache(executable_cache_dir)
             path = resolve_model_path(model)
             cfg, params, tokenizer = load_model(path, dtype=dtype)
             config = make_engine_config(cfg, **engine_args)
-            engine = LLMEngine(config, params, tokenizer, model_name=str(path))
+            engine = LLMEngine(config, params, tokenizer, model_name=str(path),
+                               executable_cache_dir=executable_cache_dir)
         self.engine = engine
         self._ids = itertools.count()
 

@@ -96,11 +96,10 @@ def main() -> None:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.worker.compile import enable_compilation_cache, enable_executable_cache
+    from jaxserve.worker.compile import enable_compilation_cache
     from jaxserve.sampling_params import SamplingParams
 
     enable_compilation_cache(args.compile_cache_dir)
-    enable_executable_cache(args.executable_cache_dir)
     loaded = phase("load_model (params cache)",
                    lambda: load_model(resolve_model_path(None), dtype="float32"))
     cfg, params, tok = loaded
@@ -116,7 +115,8 @@ def main() -> None:
         return OwnedHostParams(align_host_leaves(holder.pop("params")))
     engine = phase("LLMEngine(warmup=False): params+KV",
                    lambda: LLMEngine(config, holder.pop("params") if args.copy_params else owned(),
-                                     tok, model_name="m", warmup=False, progress=False))
+                                     tok, model_name="m", warmup=False, progress=False,
+                                     executable_cache_dir=args.executable_cache_dir or None))
     if not args.keep_host_params:
         phase("release_host_memory", release_host_memory)
     if args.per_program:  # the same programs warm-up builds, one phase each

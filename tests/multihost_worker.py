@@ -36,6 +36,7 @@ def main(port: int, pid: int) -> None:
     if pid == 0:
         engine = LLMEngine(config, params, None, progress=False)
         leader = multihost.Leader(engine.runner)
+        engine.runner.set_step_listener(leader.send_step)
         runs = _run(engine, PROMPTS)
         st = engine.get_stats()
         rep = shard_report(engine.runner.params)

@@ -26,11 +26,9 @@ _SCRIPT = textwrap.dedent("""
     logging.getLogger("jaxserve.worker.executable_cache").setLevel(logging.DEBUG)
     from conftest import tiny_params
     from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.worker.compile import enable_executable_cache
     from jaxserve.sampling_params import SamplingParams
 
     cache_dir, overrides = sys.argv[1], json.loads(sys.argv[2])
-    enable_executable_cache(cache_dir)
     if len(sys.argv) > 3:
         from jaxserve.worker.compile import enable_compilation_cache
         enable_compilation_cache(sys.argv[3])
@@ -40,7 +38,8 @@ _SCRIPT = textwrap.dedent("""
                 attention_backend="xla", strict_compiles=True,
                 enable_prompt_logprobs=False)  # stack + head programs only: counts below
     args.update({k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()})
-    engine = LLMEngine(make_engine_config(cfg, **args), params, progress=False)
+    engine = LLMEngine(make_engine_config(cfg, **args), params, progress=False,
+                       executable_cache_dir=cache_dir)
     st = engine.runner.stats()
     engine.add_request("a", [5, 9, 13, 21, 34, 7, 11], SamplingParams(temperature=0, max_tokens=4,
                                                                      ignore_eos=True))

@@ -13,7 +13,7 @@ processes (the followers, `follower_loop`) in ONE broadcast per step
 buffer: a header (op, T_pad, S_pad, payload bytes) then the arrays' bytes. Its
 size is fixed by the largest bucket, so the broadcast is one program, compiled
 at start-up by a first no-op message. Followers rebuild the arrays from the
-header's bucket (`ModelRunner._padding_batch(T_pad, S_pad)` gives the tree, shapes
+header's bucket (`ModelRunner.padding_batch(T_pad, S_pad)` gives the tree, shapes
 and dtypes), then every process runs `ModelRunner.run_host_batch` on it: the same
 program in lock-step, whose collectives join them. Op STOP ends the followers'
 loop; the leader sends it when it stops (explicitly, or at interpreter exit).
@@ -58,13 +58,13 @@ class StepChannel:
 
     Args:
       runner: the process's `ModelRunner` (its bucket policy fixes the buffer size
-        and its `_padding_batch` the tree of every bucket).
+        and its `padding_batch` the tree of every bucket).
     """
 
     def __init__(self, runner: Any):
         self.runner = runner
         pol = runner.bucket_policy
-        biggest = runner._padding_batch(pol.token_buckets[-1], pol.seq_buckets[-1])
+        biggest = runner.padding_batch(pol.token_buckets[-1], pol.seq_buckets[-1])
         self.max_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(biggest))
         self.words = _HEADER + -(-self.max_bytes // 4)
         self.is_leader = jax.process_index() == 0
@@ -96,7 +96,7 @@ class StepChannel:
         op, t_pad, s_pad, n = (int(x) for x in buf[:_HEADER])
         if op != OP_STEP:
             return op, t_pad, s_pad, None
-        template = self.runner._padding_batch(t_pad, s_pad)
+        template = self.runner.padding_batch(t_pad, s_pad)
         leaves, treedef = jax.tree.flatten(template)
         raw, off, out = buf[_HEADER:].view(np.uint8)[:n], 0, []
         for x in leaves:
@@ -110,14 +110,14 @@ class StepChannel:
 
 
 class Leader:
-    """Process 0's side: attached to its runner (`runner.leader`), which calls `send_step`
-    before each device step; `stop()` (also run at interpreter exit) releases the followers.
+    """Process 0's side: `send_step` is the runner's step listener
+    (`ModelRunner.set_step_listener(leader.send_step)`), called before each device step;
+    `stop()` (also run at interpreter exit) releases the followers.
     """
 
     def __init__(self, runner: Any):
         self.channel = StepChannel(runner)
         self.channel.send(OP_NOOP)  # compiles the broadcast now, in every process
-        runner.leader = self
         self._stopped = False
         atexit.register(self.stop)
 

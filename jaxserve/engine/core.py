@@ -107,6 +107,8 @@ class LLMEngine:
         `jaxserve.worker.model_runner.ModelRunner` over `params`.
       warmup: make every bucket program ready now (recommended; a serving
         engine must not compile after warm-up).
+      executable_cache_dir: where the default runner serializes its compiled programs
+        (`jaxserve.worker.executable_cache`; None: off).
 
     Raises:
       ValueError: neither params nor a runner, or bad EOS ids.
@@ -114,14 +116,15 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, params: Any = None, tokenizer: Any = None, *,
                  runner: Runner | None = None, model_name: str = "jaxserve", warmup: bool = True,
-                 progress: bool = True):
+                 progress: bool = True, executable_cache_dir: str | None = None):
         self.bucket_policy = BucketPolicy.from_config(config.scheduler)
         if runner is None:
             if params is None:
                 raise ValueError("LLMEngine needs the model params or a runner")
             from jaxserve.worker.model_runner import ModelRunner  # jax, only for the real runner
 
-            runner = ModelRunner(config, params, bucket_policy=self.bucket_policy)
+            runner = ModelRunner(config, params, bucket_policy=self.bucket_policy,
+                                 executable_cache_dir=executable_cache_dir)
         self.runner: Runner = runner
         self.config = dataclasses.replace(
             config, cache=dataclasses.replace(config.cache, num_kv_blocks=runner.num_kv_blocks))
@@ -311,7 +314,7 @@ class LLMEngine:
         msg = (f"weights updated from version {self.weight_version} to "
                f"{self.weight_version + 1} while the request was in flight")
         self._pending += self.outputs.collect(self.outputs.fail(live, msg))
-        self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
         self.weight_version += 1
         return self.weight_version
 

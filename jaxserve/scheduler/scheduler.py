@@ -10,16 +10,16 @@ one `schedule()` (stall-free batching, Sarathi-Serve OSDI'24):
    requests still prefilling, within `max_num_batched_tokens`. When one
    cannot get its next block, the least important running request is
    preempted by recompute (FCFS: the last admitted; priority: the largest
-   (priority, arrival)): blocks freed, `num_computed_tokens = 0`, back to the
-   front of the waiting queue. Its tokens are kept, so the resumed run
-   recomputes prompt + outputs and samples nothing until it reaches the end.
+   (priority, arrival)): blocks freed, `num_computed_tokens = 0`, back to the front
+   of the waiting queue; its tokens are kept, so the resumed run recomputes prompt +
+   outputs and samples nothing until it reaches the end.
 2. WAITING requests, only if nobody was preempted this step, with what is
    left of the budget, up to `max_num_seqs` running, and only when
    `can_allocate` says all their blocks for this step exist.
 
-Only the oldest running request can never be preempted by another, and every
-request fits the pool alone (checked in `add_request`), so the oldest always
-progresses: no livelock. Plain Python: no jax import anywhere in this package.
+The oldest running request is never preempted by another, and every request fits
+the pool alone (`add_request`): the oldest always progresses, no livelock. Plain
+Python: no jax import anywhere in this package.
 """
 
 from __future__ import annotations
@@ -109,18 +109,14 @@ class Scheduler:
 
     # ------------------------------------------------------------ admission
     def add_request(self, request: Request) -> None:
-        """Validate and queue a new request.
-
-        `request.max_tokens` is resolved here: None becomes
-        `max_model_len - num_prompt_tokens`, and a larger value is CLAMPED to
-        it (the request then ends with finish_reason "length"), as vLLM does.
+        """Validate and queue a new request, resolving `request.max_tokens` as vLLM does:
+        None becomes `max_model_len - num_prompt_tokens`; a larger value is CLAMPED to it.
 
         Raises:
-          ValueError: duplicate live request_id; a request that is not new;
-            an empty prompt; prompt length >= max_model_len (no position left
-            for an output token); max_tokens < 1; a request whose prompt +
-            max_tokens needs more KV blocks than the pool has (it could never
-            run). Nothing is queued when it raises.
+          ValueError: a duplicate live request_id, a request that is not new, an empty
+            prompt, a prompt of >= max_model_len tokens (no position left for an output),
+            max_tokens < 1, or prompt + max_tokens needing more KV blocks than the pool
+            has (it could never run). Nothing is queued when it raises.
         """
         if not isinstance(request, Request):
             raise ValueError(f"add_request expects a Request, got {type(request).__name__}")
@@ -478,6 +474,10 @@ class Scheduler:
             self._pending_out = None
         self.kv_cache_manager.reset_prefix_cache()
         return failed
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block no request holds; returns how many."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in any state (waiting, running, mid-chunk, preempted).

@@ -71,16 +71,6 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     faults.arm_compile_cache()
 
 
-_EXECUTABLE_CACHE_DIR: str | None = None
-
-
-def enable_executable_cache(cache_dir: str | None) -> None:
-    """Runners built from now on keep their compiled programs in `cache_dir`
-    (`jaxserve.worker.executable_cache`: a restart then skips tracing too; None or '': off)."""
-    global _EXECUTABLE_CACHE_DIR
-    _EXECUTABLE_CACHE_DIR = str(cache_dir) if cache_dir else None
-
-
 def aot_compile(fn: Any, args: tuple, *, exec_cache: ExecutableCache | None,
                 key_parts: dict | None) -> tuple[Any, str]:
     """(program, how) of `fn` lowered on `args`: "restored" from `exec_cache` under

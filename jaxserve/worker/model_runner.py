@@ -25,7 +25,7 @@ bug it is (or refused with `strict_compiles`).
 Start-up (issue 12): with `EngineConfig.warmup="progressive"` warm-up returns once
 the smallest token bucket's programs are ready and builds the rest in a background
 thread, capping the scheduler's token budget (`BucketPolicy.token_cap`) at the
-largest ready bucket meanwhile; with an executable cache (`enable_executable_cache`,
+largest ready bucket meanwhile; with an executable cache (`executable_cache_dir`,
 `jaxserve.worker.executable_cache`) a restart deserializes each program instead of tracing,
 lowering and compiling it.
 """
@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import logging
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,6 @@ from jaxserve.sample.metadata import SamplingMetadata, SamplingRow, make_samplin
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.scheduler.request import Request
-from jaxserve.worker import compile as compile_
 from jaxserve.worker.compile import CacheHits, ProgramKey, ProgramTable, aot_compile
 from jaxserve.worker.executable_cache import ExecutableCache, program_key_parts
 from jaxserve.worker.input_batch import build_batch
@@ -80,7 +79,10 @@ class ModelRunner:
         replicate them (False); None: split when TP divides the vocabulary (faster in
         notes/parallel.md's measurements).
       executable_cache_dir: where compiled programs are serialized and restored
-        (None: the `enable_executable_cache` default; '': off).
+        (None or '': off). A constructor argument, never a process global.
+      step_listener: called as (T_pad, S_pad, host batch) before each device step, once
+        its programs exist (multi-host: the leader's broadcast); `set_step_listener`
+        attaches one later.
 
     The pool size N is `config.cache.num_kv_blocks`, or what
     `kv_cache_memory_bytes` holds; the cache (`kv_cache`) is, in cfg.dtype, (L K
@@ -96,7 +98,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, params: Any, *, bucket_policy: BucketPolicy,
                  strict_compiles: bool | None = None, vocab_parallel: bool | None = None,
-                 executable_cache_dir: str | None = None):
+                 executable_cache_dir: str | None = None,
+                 step_listener: Callable[[int, int, StepBatch], None] | None = None):
         CacheHits.install()
         self.config = config
         self.cfg = config.model
@@ -105,7 +108,9 @@ class ModelRunner:
         self.model_cfg = self.tp.model_cfg  # what the programs run (K' KV heads)
         if self.tp.mesh is not None:
             logger.info(self.tp.describe())
-        self.leader = None  # multi-host: `jaxserve.distributed.multihost.Leader`, broadcasts each step
+        # Multi-host: called with (T_pad, S_pad, host batch) before each device step
+        # (`jaxserve.distributed.multihost.Leader.send_step` broadcasts it to the followers).
+        self.step_listener = step_listener
         self.block_size = config.cache.block_size
         self.num_kv_blocks = resolve_num_kv_blocks(config)
         logger.info(describe_capacity(config, self.num_kv_blocks))
@@ -154,8 +159,7 @@ class ModelRunner:
         # Programs are lowered on specs, never on the live (donated, swappable) buffers.
         self._param_specs = jax.tree.map(_spec, self.params)
         self._kv_specs = jax.tree.map(_spec, self.kv_cache)
-        cache_dir = compile_._EXECUTABLE_CACHE_DIR if executable_cache_dir is None else executable_cache_dir
-        self._exec_cache = ExecutableCache(cache_dir) if cache_dir else None
+        self._exec_cache = ExecutableCache(executable_cache_dir) if executable_cache_dir else None
 
     @property
     def strict_compiles(self) -> bool:
@@ -200,6 +204,10 @@ class ModelRunner:
             return tuple(tuple(self.tp.zeros(shape, dt, self.tp.kv_layer_sharding)
                                for _ in range(L)) for _ in range(2))
         return tuple(self.tp.zeros((L, *shape), dt, self.tp.kv_sharding) for _ in range(2))
+
+    def set_step_listener(self, listener: Callable[[int, int, StepBatch], None] | None) -> None:
+        """Attach (or with None detach) the step listener (see the class docstring)."""
+        self.step_listener = listener
 
     def reset(self) -> bool:
         """After a failed step: a fresh zeroed cache if the failure consumed the donated
@@ -315,10 +323,10 @@ class ModelRunner:
                 results.setdefault(rid, RowError("prompt logprobs need an engine started with "
                                                  "enable_prompt_logprobs=True in one process"))
             plan = None
-        if self.leader is not None:  # multi-host: the followers run the same step
+        if self.step_listener is not None:  # multi-host: the followers run the same step
             self.programs.get(("stack", out.token_bucket))  # a refusal here reaches no follower
             self.programs.get(("head", out.seq_bucket))
-            self.leader.send_step(out.token_bucket, out.seq_bucket, host)
+            self.step_listener(out.token_bucket, out.seq_bucket, host)
         ids, lps, top_ids, top_lps, scored = self.run_host_batch(
             host, out.token_bucket, out.seq_bucket,
             targets=None if plan is None else plan.targets)
@@ -353,8 +361,9 @@ class ModelRunner:
         return self.tp.fetch((res.token_ids, res.logprobs, res.top_ids, res.top_logprobs, scored))
 
     # -------------------------------------------------------- programs
-    def _padding_batch(self, t_pad: int, s_pad: int) -> StepBatch:
-        """An all-padding host batch at (t_pad, s_pad): a real step's shapes and structure."""
+    def padding_batch(self, t_pad: int, s_pad: int) -> StepBatch:
+        """An all-padding host batch at (t_pad, s_pad): a real step's shapes and pytree
+        structure (warm-up lowers on it; multi-host sizes and decodes its broadcast by it)."""
         empty = SchedulerOutput(scheduled=(), num_scheduled_tokens=0, token_bucket=t_pad,
                                 seq_bucket=s_pad, preempted_ids=(), finished_ids=(), step=-1)
         return self._host_batch(empty, {})[0]
@@ -363,11 +372,11 @@ class ModelRunner:
         """(jitted function, example arguments as specs / padding host arrays) of a program."""
         family, size = key
         if family == "stack":
-            host = self._padding_batch(size, self.max_seq_bucket)
+            host = self.padding_batch(size, self.max_seq_bucket)
             return self._stack_jit, (self._param_specs, self._kv_specs,
                                      dataclasses.replace(host, sampling=None))
         if family == "head":
-            host = self._padding_batch(1, size)
+            host = self.padding_batch(1, size)
             return self._head_jit, (self._param_specs, self._rows_spec(), host.sampling)
         if family == "score":
             rows = self._rows_spec()
@@ -379,7 +388,7 @@ class ModelRunner:
     def _group_stack_args(self, t_pad: int) -> dict[str, tuple[Any, tuple]]:
         """{part: (jitted function, example arguments)} of a token bucket's layer-group
         stack (`jaxserve.worker.layer_stack`): the embed, G-layer and final programs."""
-        host = self._padding_batch(t_pad, self.max_seq_bucket)
+        host = self.padding_batch(t_pad, self.max_seq_bucket)
         g, p = self.group, self._param_specs
         x = jax.ShapeDtypeStruct((t_pad, self.cfg.hidden_size), p["embed"].dtype)
         return {"embed": (self._embed_jit, (p["embed"], host.input_ids)),
@@ -424,7 +433,7 @@ class ModelRunner:
             if built:
                 s = built[0].out_info[0]
             else:
-                host = self._padding_batch(t_pad, self.max_seq_bucket)
+                host = self.padding_batch(t_pad, self.max_seq_bucket)
                 s = jax.eval_shape(self._stack_jit, self._param_specs, self._kv_specs,
                                    dataclasses.replace(host, sampling=None))[0]
         # Shape and dtype only (the head's shardings are explicit): the same spec however
