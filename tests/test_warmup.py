@@ -47,9 +47,8 @@ def test_program_stages_partition_program_keys():
     assert set(stages[2][1]) == {("stack", 64), ("score", 64)}
     flat = [k for _, keys in stages for k in keys]
     assert sorted(flat) == sorted(p.program_keys(score=True)) and len(flat) == len(set(flat))
-    assert p.token_budget == 64
-    p.token_cap = 16
-    assert p.token_budget == 16
+    assert p.token_budget() == 64
+    assert p.token_budget(16) == 16
     # ready_tokens (the runner's READY_TOKENS = 8): stage 0 takes every bucket up to it.
     q = BucketPolicy((1, 2, 4, 8, 16), (1, 2, 4, 8))
     stages = q.program_stages(ready_tokens=8)
@@ -67,8 +66,8 @@ def test_scheduler_never_plans_past_the_token_cap():
     from jaxserve.config import CacheConfig
 
     sched = Scheduler(cfg, CacheConfig(block_size=4, num_kv_blocks=200))
-    sched.bucket_policy.token_cap = 8
     runner = FakeRunner(sched, check_invariants=True)
+    runner.token_cap = 8
     reqs = [Request(f"r{i}", prompt_of(n, salt=i), SamplingParams(max_tokens=5, ignore_eos=True))
             for i, n in enumerate((30, 3, 17, 9, 40, 1))]
     for r in reqs:
@@ -78,7 +77,7 @@ def test_scheduler_never_plans_past_the_token_cap():
         res = runner.step()
         sizes.append((res.out.num_scheduled_tokens, res.out.token_bucket))
         if len(sizes) == 12:
-            sched.bucket_policy.token_cap = None  # the background warm-up finished
+            runner.token_cap = None  # the background warm-up finished
     capped, full = sizes[:12], sizes[12:]
     assert all(n <= 8 and t == 8 for n, t in capped), capped
     assert max(n for n, _ in full) > 8, full  # the remaining prefill uses the big buckets
@@ -115,7 +114,7 @@ def test_progressive_warmup_under_load_same_tokens_and_strict_refusal():
         runner.warmup(progress=False)  # returns with stage 0 built
         st = runner.stats()
         assert (st.programs_ready, st.warmup_programs, st.warmup_done) == (2, 3, False)
-        assert policy.token_budget == 8 and engine.get_stats()["programs_ready"] == 2
+        assert runner.token_cap == 8 and engine.get_stats()["programs_ready"] == 2
         shapes_while_warming: dict = {}
 
         def before_step(eng, step):
@@ -133,7 +132,7 @@ def test_progressive_warmup_under_load_same_tokens_and_strict_refusal():
                                                                       sp.max_tokens), rid
         st = runner.stats()
         assert st.warmup_done and st.programs_ready == 3 and st.late_compiles == 0
-        assert policy.token_cap is None
+        assert runner.token_cap is None
     finally:
         gate.set()
         runner.close()
@@ -147,14 +146,14 @@ def test_a_step_past_the_cap_is_a_counted_strict_refusal():
     runner, policy = engine.runner, engine.bucket_policy
     try:
         runner.warmup(progress=False)
-        policy.token_cap = None
+        runner._warmup.token_cap = None  # what the engine passes to schedule()
         P = prompt_of(25, salt=90)
         out = run_all(engine, [("late", P, greedy(2))])["late"].outputs[0]
         assert out.finish_reason == "error" and "no stack program for bucket 32" in out.error
         assert runner.stats().late_compiles >= 1
         assert engine.get_stats()["num_compiles_after_warmup"] == runner.stats().late_compiles
         assert ("stack", 32) not in runner.programs.programs  # refused, not compiled on the step
-        policy.token_cap = 8
+        runner._warmup.token_cap = 8
         gate.set()
         assert runner.wait_warmup(300)
         out = run_all(engine, [("after", P, greedy(2))])["after"].outputs[0]

@@ -254,7 +254,7 @@ class LLMEngine:
         return pending + self._step()
 
     def _step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self.runner.token_cap)
         self.last_step_tokens = out.num_scheduled_tokens
         self.outputs.on_scheduled(out, time.monotonic())
         if not out.scheduled:

@@ -106,8 +106,6 @@ class BucketPolicy:
         self._steps = {b: 0 for b in self.token_buckets}
         self._real = {b: 0 for b in self.token_buckets}
         self._seq_steps = {b: 0 for b in self.seq_buckets}
-        # Progressive warm-up: the largest token bucket whose programs are ready (None: all).
-        self.token_cap: int | None = None
 
     @classmethod
     def from_config(cls, cfg: SchedulerConfig) -> "BucketPolicy":
@@ -239,12 +237,11 @@ class BucketPolicy:
             stages[0] = (cap, stages[0][1] + keys)
         return stages
 
-    @property
-    def token_budget(self) -> int:
-        """Most tokens one step may hold now: the largest token bucket, or the cap while
-        progressive warm-up has not yet built the larger buckets (more steps, same tokens)."""
-        cap = self.token_cap
-        return self.token_buckets[-1] if cap is None else cap
+    def token_budget(self, token_cap: int | None = None) -> int:
+        """Most tokens one step may hold: the largest token bucket, or `token_cap` (the
+        largest bucket progressive warm-up has built so far) when given."""
+        return self.token_buckets[-1] if token_cap is None else min(token_cap,
+                                                                    self.token_buckets[-1])
 
     # ------------------------------------------------------------ counters
     def record(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:

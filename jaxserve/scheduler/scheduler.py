@@ -150,12 +150,12 @@ class Scheduler:
         self.waiting.push(request)
 
     # ------------------------------------------------------------ scheduling
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step; advances num_computed_tokens of every scheduled request.
+    def schedule(self, token_cap: int | None = None) -> SchedulerOutput:
+        """Plan one step of at most `bucket_policy.token_budget(token_cap)` tokens;
+        advances num_computed_tokens of every scheduled request.
 
         Raises:
-          RuntimeError: the previous plan's live requests still await
-            `update_from_output`.
+          RuntimeError: the previous plan's live requests still await `update_from_output`.
         """
         prev = self._pending_out
         if prev is not None:
@@ -178,8 +178,8 @@ class Scheduler:
         static = self.config.static_batching
         if static and not self.running and not preempted:
             self._admit_static_batch()
-        budget = self._schedule_running(self.bucket_policy.token_budget, scheduled, preempted,
-                                        pending)
+        budget = self._schedule_running(self.bucket_policy.token_budget(token_cap), scheduled,
+                                        preempted, pending)
         if not preempted and not static:
             self._schedule_waiting(budget, scheduled, pending)
         return self._make_output(scheduled, preempted)

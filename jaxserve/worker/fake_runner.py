@@ -145,6 +145,7 @@ class FakeRunner:
             raise ValueError("build_batches needs block_size and max_blocks_per_seq "
                              "(or a scheduler to take them from)")
         self.num_kv_blocks = num_kv_blocks or 0
+        self.token_cap: int | None = None  # `Runner.token_cap`; tests set it to cap steps
         self.max_logprobs = max_logprobs
         self.bucket_policy = bucket_policy
         self.block_size, self.max_blocks_per_seq = block_size, max_blocks_per_seq
@@ -261,7 +262,7 @@ class FakeRunner:
         s = self.scheduler
         if s is None:
             raise ValueError("FakeRunner.step() needs the scheduler it drives (scheduler=None)")
-        out = s.schedule()
+        out = s.schedule(self.token_cap)
         if self.check:
             check_invariants(s)
         results = self.execute(out, s.requests)

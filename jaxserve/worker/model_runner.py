@@ -24,7 +24,7 @@ bug it is (or refused with `strict_compiles`).
 
 Start-up (issue 12): with `EngineConfig.warmup="progressive"` warm-up returns once
 the smallest token bucket's programs are ready and builds the rest in a background
-thread, capping the scheduler's token budget (`BucketPolicy.token_cap`) at the
+thread, capping the scheduler's token budget (`ModelRunner.token_cap`) at the
 largest ready bucket meanwhile; with an executable cache (`executable_cache_dir`,
 `jaxserve.worker.executable_cache`) a restart deserializes each program instead of tracing,
 lowering and compiling it.
@@ -160,6 +160,11 @@ class ModelRunner:
         self._param_specs = jax.tree.map(_spec, self.params)
         self._kv_specs = jax.tree.map(_spec, self.kv_cache)
         self._exec_cache = ExecutableCache(executable_cache_dir) if executable_cache_dir else None
+
+    @property
+    def token_cap(self) -> int | None:
+        """The largest ready token bucket during a progressive warm-up, else None."""
+        return self._warmup.token_cap
 
     @property
     def strict_compiles(self) -> bool:

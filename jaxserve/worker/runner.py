@@ -102,10 +102,13 @@ class Runner(Protocol):
     """Executes the scheduler's plans; owns the device state (or a fake of it).
 
     `num_kv_blocks` is the KV pool size N the runner holds (block 0 is the null
-    block); the engine builds its scheduler over exactly that pool.
+    block); the engine builds its scheduler over exactly that pool. `token_cap` is the
+    largest token bucket whose programs are ready while a progressive warm-up builds
+    the rest (None: every bucket); the engine passes it to `Scheduler.schedule`.
     """
 
     num_kv_blocks: int
+    token_cap: int | None
 
     def warmup(self, *, progress: bool = True) -> None:
         """Make every program the bucket policy can request ready (compile or load)."""

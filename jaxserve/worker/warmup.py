@@ -10,6 +10,8 @@ Progressive mode (issue 12): `run` returns once stage 0 of
 `BucketPolicy.program_stages()` is ready and builds the rest on a daemon thread,
 publishing the largest ready token bucket as the policy's `token_cap` so the
 scheduler never plans a step whose program is missing.
+The cap is data: the runner exposes it (`token_cap`) and the engine passes it to
+`Scheduler.schedule(token_cap)`; nothing here writes another layer's state.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class Warmup:
 
     Args:
       table: the programs to build (and their accounting, `table.stats`).
-      bucket_policy: the shapes (`program_stages`) and the published `token_cap`.
+      bucket_policy: the shapes (`program_stages`).
       compile_threads: programs built at once before ready (XLA:CPU compiles one
         program on one core).
       score: include the score programs (`enable_prompt_logprobs`).
@@ -65,6 +67,9 @@ class Warmup:
         self._done = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The largest token bucket whose programs are ready (None: all, or not warming).
+        # One int store, read once per step by the engine's thread.
+        self.token_cap: int | None = None
 
     def run(self, *, progress: bool = True, mode: str = "full") -> None:
         """Build (or restore / load) every program the bucket policy can request
@@ -76,7 +81,7 @@ class Warmup:
           "progressive": returns once stage 0 of `BucketPolicy.program_stages()` is
             ready (the programs of every token bucket up to `READY_TOKENS` = 8 tokens and
             the seq-bucket programs a step of that many tokens can need)
-            with the policy's `token_cap` at that bucket; a daemon thread builds the
+            with `token_cap` at that bucket; a daemon thread builds the
             larger token buckets in order and raises the cap as each one is ready (a
             step never waits for a compile). Warm-up ends when the last program is
             ready (`wait`, `stats.warmup_done`); `strict_compiles` still refuses any
@@ -98,7 +103,7 @@ class Warmup:
                    disable=not progress)
         for cap, keys in now:
             self._build_all(keys, bar)
-            self.bucket_policy.token_cap = cap
+            self.token_cap = cap
         bar.close()
         st.ready_seconds = time.perf_counter() - t0
         self.table.serving = True
@@ -108,7 +113,7 @@ class Warmup:
             return
         logger.info("ready with %d of %d programs in %.1f s (steps capped at %d tokens); "
                     "compiling the other %d in the background", st.programs_ready, total,
-                    st.ready_seconds, self.bucket_policy.token_budget,
+                    st.ready_seconds, self.token_cap,
                     total - st.programs_ready)
         self._thread = threading.Thread(target=self._background, args=(rest, t0, counts0),
                                         name="jaxserve-warmup", daemon=True)
@@ -143,17 +148,17 @@ class Warmup:
                         return
                     if key not in self.table:
                         self.table.build(key)
-                self.bucket_policy.token_cap = cap  # ints: one atomic store, read per step
+                self.token_cap = cap  # ints: one atomic store, read per step
             self._finish(t0, counts0)
         except Exception:  # noqa: BLE001 - serving goes on at the cap reached so far
             logger.exception("background warm-up failed; steps stay capped at %d tokens",
-                             self.bucket_policy.token_budget)
+                             self.token_cap)
         finally:  # stopped (close), failed or done: wait() never hangs
             self._done.set()
 
     def _finish(self, t0: float, counts0: tuple[int, int, int]) -> None:
         st = self.table.stats
-        self.bucket_policy.token_cap = None  # every bucket is ready
+        self.token_cap = None  # every bucket is ready
         st.warmup_seconds = time.perf_counter() - t0
         st.warmup_done = True
         self._done.set()
