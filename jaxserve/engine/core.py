@@ -176,7 +176,7 @@ class LLMEngine:
             request leaks nothing.
         """
         p = self.inputs.process(request_id, prompt, params, messages=messages, priority=priority,
-                                arrival_time=arrival_time, is_live=self.outputs.is_live,
+                                arrival_time=arrival_time, live_ids=self.outputs.live_ids(),
                                 logprob_start=logprob_start)
         so = p.children[0].sampling_params.structured_outputs
         if so is not None:

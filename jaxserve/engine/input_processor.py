@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Container, Sequence
 
 import numpy as np
 
@@ -59,12 +59,12 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | Sequence[int] | None,
                 params: SamplingParams | None, *, messages: Sequence[dict[str, Any]] | None,
                 priority: int, arrival_time: float | None,
-                is_live: Callable[[str], bool], logprob_start: int | None = None
+                live_ids: Container[str], logprob_start: int | None = None
                 ) -> ProcessedRequest:
         """Validate and build the request's children.
 
         Args:
-          is_live: whether an id already belongs to a live user or child request.
+          live_ids: the ids of the live user and child requests (taken ids).
           logprob_start: score prompt tokens from this index (`LLM.score`); else 1 when
             `params.prompt_logprobs` is set. Only sample 0 of an n > 1 request scores
             (the others may share the prompt's cached blocks).
@@ -74,13 +74,13 @@ class InputProcessor:
             outside the vocabulary, stop strings without a tokenizer, or a
             logprob_start outside [1, prompt length).
         """
-        if is_live(request_id):
+        if request_id in live_ids:
             raise ValueError(f"request_id={request_id!r} is already in use")
         # The one validator (jaxserve/validation.py): model-dependent checks + top_k clamp.
         params = validate_sampling_params(params or SamplingParams(), self.limits)
         validate_priority(priority, self.limits)  # non-zero only under the priority policy
         child_ids = child_request_ids(request_id, params.n)
-        taken = [c for c in child_ids if is_live(c)]
+        taken = [c for c in child_ids if c in live_ids]
         if taken:
             raise ValueError(f"request_id={request_id!r}: id {taken[0]!r} belongs to a live request")
         text, ids = self.prompt_ids(prompt, messages)

@@ -108,9 +108,9 @@ class OutputProcessor:
                 start, k, np.full(P, np.nan, np.float32), np.zeros((P, w), np.int32),
                 np.zeros((P, w), np.float32), np.zeros(P, bool))
 
-    def is_live(self, request_id: str) -> bool:
-        """A live user request id or child id."""
-        return request_id in self._parents or request_id in self._child_of
+    def live_ids(self) -> frozenset[str]:
+        """Every live user request id and child id (a snapshot, handed on as data)."""
+        return frozenset(self._parents).union(self._child_of)
 
     @property
     def num_live(self) -> int:
