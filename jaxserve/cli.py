@@ -231,15 +231,10 @@ def read_prompts(path: str | None, inline: Sequence[str]) -> list[dict[str, Any]
     """
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(inline)]
     if path:
-        text = Path(path).read_text(encoding="utf-8")
         if path.endswith(".jsonl"):
-            for n, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            from jaxserve.bench.traces import iter_jsonl
+
+            for n, rec in iter_jsonl(path):
                 if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
                     raise ValueError(f"{path}:{n}: each line must be an object with a string 'prompt'")
                 mt = rec.get("max_tokens")
@@ -248,6 +243,7 @@ def read_prompts(path: str | None, inline: Sequence[str]) -> list[dict[str, Any]
                 rec.setdefault("id", f"f{n}")
                 rows.append(rec)
         else:
+            text = Path(path).read_text(encoding="utf-8")
             rows += [{"id": f"f{n}", "prompt": l} for n, l in enumerate(text.splitlines(), 1) if l.strip()]
     if not rows:
         raise ValueError("no prompts: pass --prompt or --prompts_file")

@@ -16,6 +16,12 @@ from typing import Any, Literal
 _DTYPES = ("float32", "bfloat16")
 
 
+def max_blocks_per_seq(max_model_len: int, block_size: int) -> int:
+    """Blocks one sequence of `max_model_len` tokens can hold: the block table's width P
+    (ceil(max_model_len / block_size); the null block not counted)."""
+    return -(-max_model_len // block_size)
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)

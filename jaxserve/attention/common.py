@@ -208,3 +208,36 @@ def check_q_fits(q: jax.Array, k_cache: jax.Array, block_size: int) -> None:
     if h % k_cache.shape[3] or k_cache.shape[4] != d or k_cache.shape[2] != block_size:
         raise ValueError(f"q={q.shape} does not fit cache={k_cache.shape} "
                          f"(block_size={block_size})")
+
+
+@dataclasses.dataclass(frozen=True)
+class TiledMetadata:
+    """The array fields both Pallas kernels read (T = T_pad, S = S_pad, NT the static tile
+    bound); each backend's metadata adds its static tile field and registers the pytree
+    with `TILED_FIELDS` as data."""
+
+    slot_mapping: np.ndarray  # i32[T] page * B + offset; padding -> null block 0 (KV write)
+    block_table: np.ndarray  # i32[S, P] (Mosaic: P padded to whole chunks with 0)
+    tile_seq: np.ndarray  # i32[NT] sequence of each tile of block_q tokens
+    tile_q_start: np.ndarray  # i32[NT] flat index of the tile's first token
+    tile_pos0: np.ndarray  # i32[NT] absolute position of the tile's first token
+    tile_kv_end: np.ndarray  # i32[NT] keys the tile needs (1 + last real position); 0 unused
+    token_out_row: np.ndarray  # i32[T] row tile * block_q + r of each token; -1 padding
+
+
+TILED_FIELDS = [f.name for f in dataclasses.fields(TiledMetadata)]
+
+
+def tiled_fields(common: CommonAttentionMetadata, block_table: np.ndarray,
+                 block_q: int) -> dict[str, np.ndarray]:
+    """`TiledMetadata`'s fields of one validated step at tile size block_q (`tile_step`).
+
+    Raises:
+      ValueError: from `query_tiles` when the static tile bound is exceeded.
+    """
+    til, out_row = tile_step(common, block_q)
+    return dict(slot_mapping=common.slot_mapping, block_table=block_table,
+                tile_seq=til["tile_seq"], tile_q_start=til["tile_q_start"],
+                tile_pos0=til["tile_pos0"], tile_kv_end=til["tile_kv_end"],
+                token_out_row=out_row)
+

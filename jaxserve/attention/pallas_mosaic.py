@@ -22,28 +22,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
-                                             stacked_cache, tile_step)
+from jaxserve.attention.common import (TILED_FIELDS, CommonAttentionMetadata, TiledMetadata,
+                                      check_q_fits, host_common, stacked_cache, tiled_fields)
 from jaxserve.attention.xla import XlaBackend
 from jaxserve.attention.kernels import ragged_paged_attention_mosaic as rpm
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["slot_mapping", "block_table", "tile_seq", "tile_q_start", "tile_pos0",
-                 "tile_kv_end", "token_out_row"],
-    meta_fields=["tiles"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=TILED_FIELDS,
+                   meta_fields=["tiles"])
 @dataclasses.dataclass(frozen=True)
-class MosaicMetadata:
-    """The Mosaic kernel's step metadata. T = T_pad, S = S_pad, NT the static tile bound."""
+class MosaicMetadata(TiledMetadata):
+    """The Mosaic kernel's step metadata: `TiledMetadata`, block_table padded to a
+    multiple of pages_per_chunk pages, and the static tiles."""
 
-    slot_mapping: np.ndarray  # i32[T] page * B + offset; padding -> null block 0 (KV write)
-    block_table: np.ndarray  # i32[S, P'] padded to a multiple of pages_per_chunk with 0
-    tile_seq: np.ndarray  # i32[NT] sequence of each tile
-    tile_q_start: np.ndarray  # i32[NT] flat index of the tile's first token
-    tile_pos0: np.ndarray  # i32[NT] absolute position of the tile's first token
-    tile_kv_end: np.ndarray  # i32[NT] keys the tile needs; 0 for unused tiles
-    token_out_row: np.ndarray  # i32[T] row tile * block_q + r of each token; -1 padding
     tiles: rpm.MosaicTiles  # static: a new value is a new program
 
 
@@ -62,14 +53,10 @@ def mosaic_metadata(common: CommonAttentionMetadata, tiles: rpm.MosaicTiles) -> 
     Raises:
       ValueError: from `query_tiles` when the static tile bound is exceeded.
     """
-    til, out_row = tile_step(common, tiles.block_q)
     bt = common.block_table
     # The kernel walks whole chunks of pages; the extra columns point at the null block.
     bt = np.pad(bt, ((0, 0), (0, -bt.shape[1] % tiles.pages_per_chunk)))
-    return MosaicMetadata(
-        slot_mapping=common.slot_mapping, block_table=bt, tile_seq=til["tile_seq"],
-        tile_q_start=til["tile_q_start"], tile_pos0=til["tile_pos0"],
-        tile_kv_end=til["tile_kv_end"], token_out_row=out_row, tiles=tiles)
+    return MosaicMetadata(**tiled_fields(common, bt, tiles.block_q), tiles=tiles)
 
 
 @dataclasses.dataclass(frozen=True)

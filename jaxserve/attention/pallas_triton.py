@@ -13,10 +13,9 @@ import dataclasses
 import functools
 
 import jax
-import numpy as np
 
-from jaxserve.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
-                                             stacked_cache, tile_step)
+from jaxserve.attention.common import (TILED_FIELDS, CommonAttentionMetadata, TiledMetadata,
+                                      check_q_fits, host_common, stacked_cache, tiled_fields)
 from jaxserve.attention.kernels import kv_cache_update as kvu
 from jaxserve.attention.kernels import ragged_paged_attention as rpa
 
@@ -35,23 +34,12 @@ def choose_block_q(num_tokens: int, num_seqs: int, num_queries_per_kv: int) -> i
     return max(min_bq, 64 // gp)
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["slot_mapping", "block_table", "tile_seq", "tile_q_start", "tile_pos0",
-                 "tile_kv_end", "token_out_row"],
-    meta_fields=["block_q"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=TILED_FIELDS,
+                   meta_fields=["block_q"])
 @dataclasses.dataclass(frozen=True)
-class PallasTritonMetadata:
-    """The Triton kernel's step metadata. T = T_pad, S = S_pad, NT the static tile bound."""
+class PallasTritonMetadata(TiledMetadata):
+    """The Triton kernel's step metadata: `TiledMetadata` and the static block_q."""
 
-    slot_mapping: np.ndarray  # i32[T] page * B + offset; padding -> block 0
-    block_table: np.ndarray  # i32[S, P]
-    # Tiles of block_q tokens of one sequence, over all sequences.
-    tile_seq: np.ndarray  # i32[NT]
-    tile_q_start: np.ndarray  # i32[NT] flat index of the tile's first token
-    tile_pos0: np.ndarray  # i32[NT] absolute position of the first token
-    tile_kv_end: np.ndarray  # i32[NT] 1 + position of the last real token; 0 unused
-    token_out_row: np.ndarray  # i32[T] row tile * block_q + r of each token; -1 padding
     block_q: int  # static: the kernel's tile (a new block_q is a new program)
 
 
@@ -98,11 +86,7 @@ class PallasTritonBackend:
         c = host_common(common, self.block_size)
         bq = self.block_q or choose_block_q(c.slot_mapping.shape[0], c.seq_lens.shape[0],
                                             self.num_queries_per_kv)
-        til, out_row = tile_step(c, bq)
-        return PallasTritonMetadata(
-            slot_mapping=c.slot_mapping, block_table=c.block_table, tile_seq=til["tile_seq"],
-            tile_q_start=til["tile_q_start"], tile_pos0=til["tile_pos0"],
-            tile_kv_end=til["tile_kv_end"], token_out_row=out_row, block_q=int(bq))
+        return PallasTritonMetadata(**tiled_fields(c, c.block_table, bq), block_q=int(bq))
 
     def write_kv(self, k_cache, v_cache, k, v, md: PallasTritonMetadata, *, layer):
         """See `AttentionBackend.write_kv`: the in-place Pallas write."""

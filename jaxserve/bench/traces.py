@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -67,6 +67,23 @@ class TraceRequest:
         return d
 
 
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number from 1, parsed value) of each non-blank line of a JSONL file.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: a line that is not JSON, naming file:line.
+    """
+    p = Path(path)
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{n}: not valid JSON ({e})") from None
+
+
 def _parse_row(rec: Any, where: str) -> TraceRequest:
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: a trace line must be a JSON object, got {type(rec).__name__}")
@@ -94,15 +111,7 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceReque
         field), duplicate ids, or an empty trace.
     """
     p = Path(path)
-    rows: list[TraceRequest] = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}:{n}: not JSON: {e}") from e
-        rows.append(_parse_row(rec, f"{p}:{n}"))
+    rows = [_parse_row(rec, f"{p}:{n}") for n, rec in iter_jsonl(p)]
     if not rows:
         raise ValueError(f"{p}: the trace has no requests")
     ids = [r.id for r in rows]

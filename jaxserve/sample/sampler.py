@@ -46,15 +46,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 # The host half (NumPy): limits, `SamplingMetadata`, `SamplingRow`, `make_sampling_metadata`.
-from jaxserve.sample.metadata import (  # noqa: E402,F401 - re-exported
+from jaxserve.sample.metadata import (  # noqa: F401 - re-exported
     DEFAULT_TOP_WINDOW, LOGPROBS_MODES, MAX_EOS_TOKEN_IDS, SAMPLING_EPS, SUPPRESS_WIDTH,
     SamplingMetadata, SamplingRow, make_sampling_metadata)
 

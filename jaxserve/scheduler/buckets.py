@@ -87,6 +87,15 @@ def pow2_linear_buckets(max_size: int, gap: int, min_size: int = 1) -> tuple[int
     return tuple(sorted(set(out)))
 
 
+def _smallest_fit(buckets: Sequence[int], n: int, name: str, kind: str) -> int:
+    """The smallest of the sorted `buckets` >= n; ValueError (naming `name`) outside
+    [1, largest]."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets) or n < 1:
+        raise ValueError(f"{name}={n} must be in [1, largest {kind} bucket={buckets[-1]}]")
+    return buckets[i]
+
+
 class BucketPolicy:
     """Pads (num_tokens, num_seqs) to (T_pad, S_pad) and counts padding per bucket.
 
@@ -144,19 +153,11 @@ class BucketPolicy:
 
     def pad_tokens(self, num_tokens: int) -> int:
         """Smallest token bucket >= num_tokens. Raises ValueError above the largest."""
-        i = bisect.bisect_left(self.token_buckets, num_tokens)
-        if i == len(self.token_buckets) or num_tokens < 1:
-            raise ValueError(f"num_tokens={num_tokens} must be in [1, largest token bucket="
-                             f"{self.token_buckets[-1]}]")
-        return self.token_buckets[i]
+        return _smallest_fit(self.token_buckets, num_tokens, "num_tokens", "token")
 
     def pad_seqs(self, num_seqs: int) -> int:
         """Smallest sequence bucket >= num_seqs. Raises ValueError above the largest."""
-        i = bisect.bisect_left(self.seq_buckets, num_seqs)
-        if i == len(self.seq_buckets) or num_seqs < 1:
-            raise ValueError(f"num_seqs={num_seqs} must be in [1, largest seq bucket="
-                             f"{self.seq_buckets[-1]}]")
-        return self.seq_buckets[i]
+        return _smallest_fit(self.seq_buckets, num_seqs, "num_seqs", "seq")
 
     def pad(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """(T_pad, S_pad) for a step of num_tokens tokens over num_seqs sequences.

@@ -28,7 +28,7 @@ import bisect
 import itertools
 from typing import Iterable, Mapping, Sequence
 
-from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, SchedulerConfig, max_blocks_per_seq
 from jaxserve.scheduler.request import Request, RequestStatus
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.kv_cache_manager import KVCacheManager
@@ -74,7 +74,7 @@ class Scheduler:
         policy = bucket_policy or BucketPolicy.from_config(scheduler_config)
         policy.check_limits(scheduler_config)
         self.bucket_policy = policy
-        self.max_blocks_per_seq = -(-scheduler_config.max_model_len // self.block_size)
+        self.max_blocks_per_seq = max_blocks_per_seq(scheduler_config.max_model_len, self.block_size)
         self.waiting = PriorityQueue() if scheduler_config.policy == "priority" else FCFSQueue()
         self.running: list[Request] = []  # admission order (priority: sorted by key)
         self.requests: dict[str, Request] = {}  # live (unfinished) requests

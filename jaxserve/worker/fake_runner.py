@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from jaxserve.config import max_blocks_per_seq
 from jaxserve.worker.input_batch import BatchArrays, build_batch
 from jaxserve.scheduler.request import Request, RequestStatus
 from jaxserve.worker.runner import RowError, RowResult, RunnerStats, SampledToken
@@ -173,9 +174,9 @@ class FakeRunner:
         kw.setdefault("max_logprobs", config.max_logprobs)
         kw.setdefault("vocab_size", config.model.vocab_size)
         kw.setdefault("score", config.enable_prompt_logprobs)
+        bs = config.cache.block_size
         return cls(num_kv_blocks=config.cache.num_kv_blocks, bucket_policy=BucketPolicy.from_config(sc),
-                   block_size=config.cache.block_size,
-                   max_blocks_per_seq=-(-sc.max_model_len // config.cache.block_size), **kw)
+                   block_size=bs, max_blocks_per_seq=max_blocks_per_seq(sc.max_model_len, bs), **kw)
 
     # ------------------------------------------------------------ Runner protocol
     def warmup(self, *, progress: bool = True) -> None:

@@ -3,11 +3,9 @@ gives, and the one-line capacity summary the engine logs."""
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig, max_blocks_per_seq
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
@@ -24,7 +22,7 @@ def resolve_num_kv_blocks(config: EngineConfig) -> int:
     """
     cache = config.cache
     per_block = kv_bytes_per_block(config.model, cache.block_size)
-    need = math.ceil(config.scheduler.max_model_len / cache.block_size) + 1  # + null block
+    need = max_blocks_per_seq(config.scheduler.max_model_len, cache.block_size) + 1  # + null
     n = cache.num_kv_blocks
     if n is None:
         n = cache.kv_cache_memory_bytes // per_block

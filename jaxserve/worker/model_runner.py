@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from typing import Any, Callable, Mapping
 
 import jax
@@ -43,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention import CommonAttentionMetadata, get_attention_backend
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, max_blocks_per_seq
 from jaxserve.distributed.tensor_parallel import OwnedHostParams, TensorParallel
 from jaxserve.model.llama import prepare_params
 from jaxserve.sample.metadata import SamplingMetadata, SamplingRow, make_sampling_metadata
@@ -114,7 +113,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.num_kv_blocks = resolve_num_kv_blocks(config)
         logger.info(describe_capacity(config, self.num_kv_blocks))
-        self.max_blocks_per_seq = math.ceil(config.scheduler.max_model_len / self.block_size)
+        self.max_blocks_per_seq = max_blocks_per_seq(config.scheduler.max_model_len, self.block_size)
         self.bucket_policy = bucket_policy
         self.max_seq_bucket = bucket_policy.seq_buckets[-1]  # the stack's row dimension
         self.backend = self.tp.shard_attention(get_attention_backend(

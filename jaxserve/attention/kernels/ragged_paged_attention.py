@@ -30,11 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.attention.kernels.online_softmax import init_state, normalize, online_softmax_step
-
-
-def next_pow2(x: int) -> int:
-    """The smallest power of two >= x (1 for x <= 1)."""
-    return 1 << max(0, int(x) - 1).bit_length()
+from jaxserve.attention.kernels.tiling import next_pow2  # noqa: F401 - re-exported
 
 
 # ----------------------------------------------------------------------------

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxserve.attention.kernels.tiling import next_pow2  # noqa: F401 - re-exported
 from jaxserve.attention.kernels.ragged_paged_attention_mosaic_kernel import (KernelStatic, kernel_scratch,
                                                                 rpa_kernel)
 
@@ -86,11 +87,6 @@ class MosaicTiles:
     pages_per_chunk: int = 4
     pipeline_depth: int = 2
     num_warpgroups: int = 1
-
-
-def next_pow2(x: int) -> int:
-    """The smallest power of two >= x (1 for x <= 1)."""
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 def default_tiles(num_queries_per_kv: int, block_size: int, *, head_dim: int = 128,
