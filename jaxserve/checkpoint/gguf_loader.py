@@ -20,7 +20,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from tqdm.auto import tqdm
 
-from jaxserve.checkpoint.layout import CheckpointError, check_tree, stack_layers, unpermute_qk
+from jaxserve.checkpoint.layout import (CheckpointError, TensorSource, check_tree, stack_layers,
+                                        unpermute_qk)
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig
 
@@ -192,17 +193,16 @@ def load_gguf_params(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, *,
     by_name = {t.name: t for t in reader.tensors}
     arch = reader.fields["general.architecture"].contents()
     permuted = GGUF_ARCHS[arch][1]
-    used: set[str] = set()
     bar = tqdm(total=len(by_name), desc=f"dequantizing {path.name}", unit="tensor",
                disable=not progress, leave=False)
 
-    def take(name: str) -> np.ndarray:
-        if name not in by_name:
-            raise CheckpointError(f"{path}: missing tensor '{name}'")
-        used.add(name)
-        a = dequantize_tensor(by_name[name], path)
+    def dequantize(t: Any) -> np.ndarray:
+        a = dequantize_tensor(t, path)
         bar.update(1)
         return a
+
+    src = TensorSource(by_name, path, dequantize)
+    take, used = src.take, src.used
 
     def layer(i: int, leaf: str) -> np.ndarray:
         a = take(GGUF_LAYER_NAMES[leaf].format(i=i))

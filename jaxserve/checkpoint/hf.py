@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from jaxserve.checkpoint.layout import (
-    MATRIX_LEAVES, CheckpointError, check_tree, stack_layers)
+    MATRIX_LEAVES, CheckpointError, TensorSource, check_tree, stack_layers)
 from jaxserve.config import ModelConfig
 
 # Tree leaf -> HF tensor name ("{i}" = layer index). The single source of truth.
@@ -163,13 +163,8 @@ def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source:
       CheckpointError: a required tensor is missing, has a wrong shape, or an
         unexpected tensor (e.g. a bias this architecture lacks) is present.
     """
-    used: set[str] = set()
-
-    def take(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise CheckpointError(f"{source}: missing tensor '{name}'")
-        used.add(name)
-        return tensors[name]
+    src = TensorSource(tensors, source)
+    take, used = src.take, src.used
 
     def layer(i: int, leaf: str) -> np.ndarray:
         a = take(hf_name(leaf, i))

@@ -28,7 +28,7 @@ Only the llama architecture is permuted: qwen2/qwen3 GGUFs keep HF's rows
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -43,6 +43,34 @@ class CheckpointError(ValueError):
 # Per-layer leaves stored [in, out] (transposed from the checkpoints' [out, in]); the
 # others (norms, biases) are vectors. The leaves themselves: `param_shapes(cfg)["layers"]`.
 MATRIX_LEAVES = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
+
+
+class TensorSource:
+    """Named tensors of one checkpoint, taken one by one; remembers which were taken so
+    the loader can refuse the ones it did not use.
+
+    Args:
+      tensors: name -> stored tensor (an array, or a file's tensor record).
+      source: the checkpoint path (for messages).
+      convert: stored tensor -> NumPy array (e.g. GGUF dequantization); identity by default.
+    """
+
+    def __init__(self, tensors: Mapping[str, Any], source: Path,
+                 convert: Callable[[Any], np.ndarray] | None = None):
+        self.tensors, self.source, self.convert = tensors, source, convert
+        self.used: set[str] = set()
+
+    def take(self, name: str) -> np.ndarray:
+        """The tensor `name`, converted.
+
+        Raises:
+          CheckpointError: no tensor of that name.
+        """
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.source}: missing tensor '{name}'")
+        self.used.add(name)
+        t = self.tensors[name]
+        return t if self.convert is None else self.convert(t)
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
