@@ -216,10 +216,7 @@ class FakeRunner:
                                               max_logprobs=self.max_logprobs))
         if self.step_delay:
             time.sleep(self.step_delay)
-        st = self._stats
-        st.num_steps += 1
-        shape = (out.token_bucket, out.seq_bucket)
-        st.steps_by_shape[shape] = st.steps_by_shape.get(shape, 0) + 1
+        self._stats.record_step(out.token_bucket, out.seq_bucket)
         return results
 
     def _token(self, req: Request, pos: int) -> SampledToken:

@@ -334,10 +334,7 @@ class ModelRunner:
         ids, lps, top_ids, top_lps, scored = self.run_host_batch(
             host, out.token_bucket, out.seq_bucket,
             targets=None if plan is None else plan.targets)
-        st = self._stats
-        st.num_steps += 1
-        shape = (out.token_bucket, out.seq_bucket)
-        st.steps_by_shape[shape] = st.steps_by_shape.get(shape, 0) + 1
+        self._stats.record_step(out.token_bucket, out.seq_bucket)
         for i, sr in enumerate(out.scheduled):
             if sr.sample and not isinstance(results.get(sr.request_id), RowError):
                 results[sr.request_id] = SampledToken(int(ids[i]), float(lps[i]), top_ids[i],

@@ -97,6 +97,11 @@ class RunnerStats:
     ready_seconds: float = 0.0
     warmup_done: bool = False
 
+    def record_step(self, t_pad: int, s_pad: int) -> None:
+        """Count one executed step at bucket shape (t_pad, s_pad)."""
+        self.num_steps += 1
+        self.steps_by_shape[(t_pad, s_pad)] = self.steps_by_shape.get((t_pad, s_pad), 0) + 1
+
 
 class Runner(Protocol):
     """Executes the scheduler's plans; owns the device state (or a fake of it).
