@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
-from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.scheduler.request import RequestStatus
 from jaxserve.worker.runner import PromptLogprobs, RowError, Runner, SampledToken
@@ -134,7 +134,7 @@ class LLMEngine:
                                    bucket_policy=self.bucket_policy)
         self.eos_token_ids = _eos_token_ids(self.config, tokenizer)
         self.inputs = InputProcessor(self.config, tokenizer, self.eos_token_ids)
-        self.outputs = OutputProcessor(self.scheduler, tokenizer)
+        self.outputs = OutputProcessor(tokenizer)
         self.prompt_tokens_total = 0
         self.last_step_tokens = 0
         self.num_aborted = 0
@@ -281,10 +281,21 @@ class LLMEngine:
             {rid: r.prompt if isinstance(r, SampledToken) else r for rid, r in results.items()
              if isinstance(r, PromptLogprobs) or getattr(r, "prompt", None) is not None})
         self.scheduler.update_from_output(out, {rid: t.token_id for rid, t in sampled.items()})
-        changed += self.outputs.process_tokens(sampled, time.monotonic())
+        progressed, fin = self.outputs.process_tokens(sampled, time.monotonic())
+        self._apply(fin)
+        changed += progressed
         if self.grammars is not None and self.grammars.num_compiled:
-            changed += self.outputs.advance_grammars(sampled)
+            progressed, fin = self.outputs.advance_grammars(sampled)
+            self._apply(fin)
+            changed += progressed
         return self.outputs.collect(changed)
+
+    def _apply(self, fin: FinishRequests) -> None:
+        """Finish what the output processor found finished, through the scheduler."""
+        for req in fin.by_stop_string:
+            self.scheduler.stop_by_string(req)
+        for rid, status in fin.finished:
+            self.scheduler.finish_requests([rid], status)
 
     # -------------------------------------------------------------- weights
     def update_params(self, params: Any) -> int:

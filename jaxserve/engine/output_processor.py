@@ -3,8 +3,10 @@
 vLLM V1's OutputProcessor: it owns the per-sample state of every live user
 request (incremental detokenizer, logprobs, deltas since the last output) and
 the n>1 parent/child grouping, so the n samples of one request come back
-together in one `RequestOutput`. A stop string matched in the text finishes
-its request through the scheduler's API (`Scheduler.stop_by_string`): the
+together in one `RequestOutput`. It never calls the scheduler: a stop string
+matched in the text, a grammar that completes or dead-ends, or a failure of this
+host work comes back as a `FinishRequests` signal (vLLM's `reqs_to_abort`), which
+the engine applies through the scheduler's API before it collects the outputs: the
 request status belongs to the scheduler alone.
 """
 
@@ -22,9 +24,22 @@ from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.scheduler.request import Request, RequestStatus
 from jaxserve.worker.runner import PromptLogprobs, SampledToken
 from jaxserve.scheduler.output import SchedulerOutput
-from jaxserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FinishRequests:
+    """Requests the output processor found finished, for the engine to apply.
+
+    Attributes:
+      by_stop_string: requests whose text matched a stop string (`Scheduler.stop_by_string`:
+        a live one finishes "stop"; one this step ended by length is relabelled "stop").
+      finished: (child request id, status) for `Scheduler.finish_requests`.
+    """
+
+    by_stop_string: list[Request] = field(default_factory=list)
+    finished: list[tuple[str, RequestStatus]] = field(default_factory=list)
 
 
 @dataclass
@@ -76,12 +91,10 @@ class OutputProcessor:
     """Per-sample output state of the live user requests.
 
     Args:
-      scheduler: finishes stop-string requests (`stop_by_string`).
       tokenizer: for the detokenizers; None means token ids only (no text).
     """
 
-    def __init__(self, scheduler: Scheduler, tokenizer: Any):
-        self.scheduler = scheduler
+    def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[str, int]] = {}
@@ -178,23 +191,25 @@ class OutputProcessor:
             sc.entries = out
         return sc.entries
 
-    def process_tokens(self, sampled: dict[str, SampledToken], now: float) -> list[str]:
+    def process_tokens(self, sampled: dict[str, SampledToken], now: float
+                       ) -> tuple[list[str], FinishRequests]:
         """Apply one step's tokens (the scheduler has appended them); returns the parents
-        that progressed. A failure here (e.g. the detokenizer) fails that sample alone."""
-        parents = []
+        that progressed and the requests to finish (stop strings; a failure here, e.g. the
+        detokenizer, fails that sample alone)."""
+        parents, fin = [], FinishRequests()
         for cid, tok in sampled.items():
             if cid not in self._child_of:
                 continue
             parents.append(self._child_of[cid][0])
             try:
-                self._on_token(cid, tok, now)
+                self._on_token(cid, tok, now, fin)
             except Exception as e:  # this request alone fails
                 logger.exception("output processing failed for %s", cid)
                 self._child(cid).error = f"{type(e).__name__}: {e}"
-                self.scheduler.finish_requests([cid], RequestStatus.FINISHED_ERROR)
-        return parents
+                fin.finished.append((cid, RequestStatus.FINISHED_ERROR))
+        return parents, fin
 
-    def _on_token(self, cid: str, tok: SampledToken, now: float) -> None:
+    def _on_token(self, cid: str, tok: SampledToken, now: float, fin: FinishRequests) -> None:
         c, p = self._child(cid), self._parent(cid)
         self.generation_tokens_total += 1
         if p.metrics.first_token_time is None:
@@ -219,22 +234,23 @@ class OutputProcessor:
             c.delta_text += upd.delta_text
             if upd.stop_string is not None:
                 c.stop_reason = upd.stop_string
-                was_live = not req.is_finished
-                self.scheduler.stop_by_string(req)
-                if was_live:
+                fin.by_stop_string.append(req)
+                if not req.is_finished:  # live until the engine applies `fin`: flush now
                     c.delta_text += c.detok.update([], finished=True).delta_text
         if req.is_finished and c.stop_reason is None:
             c.stop_reason = req.stop_reason
 
-    def advance_grammars(self, sampled: dict[str, SampledToken]) -> list[str]:
+    def advance_grammars(self, sampled: dict[str, SampledToken]
+                         ) -> tuple[list[str], FinishRequests]:
         """Advance the grammar matcher of each structured-output sample by its accepted
-        token (after `process_tokens`); returns the parents it finished.
+        token (after `process_tokens`'s finishes are applied); returns the parents it
+        finished and how.
 
         A grammar that is complete (nothing may follow) finishes a live request with
         "stop", its last token's text kept; a token the grammar rejects (a dead end, e.g.
         the only allowed token was suppressed) finishes it with "error" and says why.
         """
-        parents = []
+        parents, fin = [], FinishRequests()
         for cid, tok in sampled.items():
             if cid not in self._child_of:
                 continue
@@ -248,15 +264,15 @@ class OutputProcessor:
             if ok and not g.is_terminated:
                 continue
             if ok:
-                self.scheduler.finish_requests([cid], RequestStatus.FINISHED_STOPPED)
+                fin.finished.append((cid, RequestStatus.FINISHED_STOPPED))
             else:
                 c.error = (f"structured output ({g.spec.kind}): token {tok.token_id} does not "
                            f"continue the grammar (dead end): {g.error}")
-                self.scheduler.finish_requests([cid], RequestStatus.FINISHED_ERROR)
+                fin.finished.append((cid, RequestStatus.FINISHED_ERROR))
             if c.detok is not None:
                 c.delta_text += c.detok.update([], finished=True).delta_text
             parents.append(self._child_of[cid][0])
-        return parents
+        return parents, fin
 
     def collect(self, parent_ids: Iterable[str]) -> list[RequestOutput]:
         """One `RequestOutput` per parent (deduplicated, in order), deltas since the last one;
