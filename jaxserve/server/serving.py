@@ -335,43 +335,21 @@ class OpenAIServing:
             choices.append(c)
         return JSONResponse({**head, "choices": choices, "usage": acc.usage()})
 
-    async def _stream_completion(self, group, acc: _Acc, req: CompletionRequest, head: dict,
-                                 echo: list[str] | None) -> AsyncIterator[str]:
-        opts = req.stream_options
+    @staticmethod
+    async def _sse_stream(group, acc: _Acc, head: dict, opts: Any,
+                          choices: AsyncIterator[dict]) -> AsyncIterator[str]:
+        """The SSE framing both endpoints share: one chunk per choice delta (with
+        `usage` when `stream_options.continuous_usage_stats`), the closing usage chunk
+        (`include_usage`), an `APIError` as an error event, then `[DONE]`; the group is
+        aborted however the stream ends (a client that disconnects frees its blocks)."""
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
-
-        def chunk(idx: int, text: str, finish: str | None, logprobs=None, stop_reason=None):
-            c = {**head, "choices": [{"index": idx, "text": text, "logprobs": logprobs,
-                                      "finish_reason": finish, "stop_reason": stop_reason}]}
-            if include_usage:
-                c["usage"] = acc.usage() if continuous else None
-            return _sse(c)
-
-        # echo with logprobs waits for the prompt's logprobs (its first delta with tokens).
-        echo_lp = bool(echo) and req.logprobs is not None
-        echoed = [not echo_lp] * len(acc.prompt_ids)
         try:
-            if echo and not echo_lp:
-                for i in range(len(acc.choices)):
-                    yield chunk(i, echo[i // req.n], None)
-            async for d in group:
-                p = acc.prompt_index.get(d.request_id)
-                applied = acc.apply(d)
-                if p is not None and not echoed[p] and acc.prompt_logprobs[p] is not None:
-                    echoed[p] = True
-                    lp = self._echo_logprobs(acc.prompt_ids[p], acc.prompt_logprobs[p],
-                                             req.logprobs)
-                    for i in range(p * req.n, (p + 1) * req.n):
-                        yield chunk(i, echo[p], None, lp)
-                for idx, c in applied:
-                    if not (c.text or c.token_ids or c.finish_reason):
-                        continue
-                    lp = None
-                    if c.logprobs is not None:
-                        tmp = _Choice(token_ids=list(c.token_ids), logprobs=list(c.logprobs))
-                        lp = self._logprobs_completion(tmp, 0)
-                    yield chunk(idx, c.text, c.finish_reason, lp, c.stop_reason)
+            async for choice in choices:
+                c = {**head, "choices": [choice]}
+                if include_usage:
+                    c["usage"] = acc.usage() if continuous else None
+                yield _sse(c)
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": acc.usage()})
         except APIError as e:
@@ -379,6 +357,40 @@ class OpenAIServing:
         finally:
             group.abort()
         yield "data: [DONE]\n\n"
+
+    def _stream_completion(self, group, acc: _Acc, req: CompletionRequest, head: dict,
+                           echo: list[str] | None) -> AsyncIterator[str]:
+        return self._sse_stream(group, acc, head, req.stream_options,
+                                self._completion_deltas(group, acc, req, echo))
+
+    async def _completion_deltas(self, group, acc: _Acc, req: CompletionRequest,
+                                 echo: list[str] | None) -> AsyncIterator[dict]:
+        def choice(idx: int, text: str, finish: str | None, logprobs=None, stop_reason=None):
+            return {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                    "stop_reason": stop_reason}
+
+        # echo with logprobs waits for the prompt's logprobs (its first delta with tokens).
+        echo_lp = bool(echo) and req.logprobs is not None
+        echoed = [not echo_lp] * len(acc.prompt_ids)
+        if echo and not echo_lp:
+            for i in range(len(acc.choices)):
+                yield choice(i, echo[i // req.n], None)
+        async for d in group:
+            p = acc.prompt_index.get(d.request_id)
+            applied = acc.apply(d)
+            if p is not None and not echoed[p] and acc.prompt_logprobs[p] is not None:
+                echoed[p] = True
+                lp = self._echo_logprobs(acc.prompt_ids[p], acc.prompt_logprobs[p], req.logprobs)
+                for i in range(p * req.n, (p + 1) * req.n):
+                    yield choice(i, echo[p], None, lp)
+            for idx, c in applied:
+                if not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                lp = None
+                if c.logprobs is not None:
+                    tmp = _Choice(token_ids=list(c.token_ids), logprobs=list(c.logprobs))
+                    lp = self._logprobs_completion(tmp, 0)
+                yield choice(idx, c.text, c.finish_reason, lp, c.stop_reason)
 
     # ------------------------------------------------------------------ chat
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -406,36 +418,24 @@ class OpenAIServing:
             for i, ch in enumerate(acc.choices)]
         return JSONResponse({**head, "choices": choices, "usage": acc.usage()})
 
-    async def _stream_chat(self, group, acc: _Acc, req: ChatCompletionRequest, head: dict,
-                           top_k: int) -> AsyncIterator[str]:
-        opts = req.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
-        head = {**head, "object": "chat.completion.chunk"}
+    def _stream_chat(self, group, acc: _Acc, req: ChatCompletionRequest, head: dict,
+                     top_k: int) -> AsyncIterator[str]:
+        return self._sse_stream(group, acc, {**head, "object": "chat.completion.chunk"},
+                                req.stream_options, self._chat_deltas(group, acc, req, top_k))
 
-        def chunk(idx: int, delta: dict, finish: str | None, logprobs=None):
-            c = {**head, "choices": [{"index": idx, "delta": delta, "logprobs": logprobs,
-                                      "finish_reason": finish}]}
-            if include_usage:
-                c["usage"] = acc.usage() if continuous else None
-            return _sse(c)
+    async def _chat_deltas(self, group, acc: _Acc, req: ChatCompletionRequest,
+                           top_k: int) -> AsyncIterator[dict]:
+        def choice(idx: int, delta: dict, finish: str | None, logprobs=None):
+            return {"index": idx, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-        try:
-            for i in range(len(acc.choices)):
-                yield chunk(i, {"role": "assistant", "content": ""}, None)
-            async for d in group:
-                for idx, c in acc.apply(d):
-                    if not (c.text or c.token_ids or c.finish_reason):
-                        continue
-                    lp = None
-                    if req.logprobs and c.logprobs is not None:
-                        lp = self._logprobs_chat(c.token_ids, c.logprobs, top_k)
-                    delta = {"content": c.text} if c.text else {}
-                    yield chunk(idx, delta, c.finish_reason, lp)
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": acc.usage()})
-        except APIError as e:
-            yield _sse(e.to_dict())
-        finally:
-            group.abort()
-        yield "data: [DONE]\n\n"
+        for i in range(len(acc.choices)):
+            yield choice(i, {"role": "assistant", "content": ""}, None)
+        async for d in group:
+            for idx, c in acc.apply(d):
+                if not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                lp = None
+                if req.logprobs and c.logprobs is not None:
+                    lp = self._logprobs_chat(c.token_ids, c.logprobs, top_k)
+                delta = {"content": c.text} if c.text else {}
+                yield choice(idx, delta, c.finish_reason, lp)
