@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -240,4 +240,19 @@ def tiled_fields(common: CommonAttentionMetadata, block_table: np.ndarray,
                 tile_seq=til["tile_seq"], tile_q_start=til["tile_q_start"],
                 tile_pos0=til["tile_pos0"], tile_kv_end=til["tile_kv_end"],
                 token_out_row=out_row)
+
+
+def tiled_kernel_args(q: jax.Array, k_cache: Any, v_cache: Any, md: TiledMetadata,
+                      layer: jax.Array | None, block_size: int) -> tuple:
+    """The positional arguments both Pallas kernels take: (q, k_cache, v_cache, layer,
+    block_table, tile_seq, tile_q_start, tile_pos0, tile_kv_end, token_out_row), the
+    caches in their stacked [L, N, B, K, D] form (`stacked_cache`).
+
+    Raises:
+      ValueError: q [T, H, D] does not fit the cache (`check_q_fits`).
+    """
+    kc, vc, li, _ = stacked_cache(k_cache, v_cache, layer)
+    check_q_fits(q, kc, block_size)
+    return (q, kc, vc, li, md.block_table, md.tile_seq, md.tile_q_start, md.tile_pos0,
+            md.tile_kv_end, md.token_out_row)
 

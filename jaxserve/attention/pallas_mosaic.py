@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.common import (TILED_FIELDS, CommonAttentionMetadata, TiledMetadata,
-                                      check_q_fits, host_common, stacked_cache, tiled_fields)
+                                      host_common, tiled_fields, tiled_kernel_args)
 from jaxserve.attention.xla import XlaBackend
 from jaxserve.attention.kernels import ragged_paged_attention_mosaic as rpm
 
@@ -122,9 +122,6 @@ class PallasMosaicBackend:
 
     def attention(self, q, k_cache, v_cache, md: MosaicMetadata, *, layer, sm_scale: float):
         """See `AttentionBackend.attention`. Raises ValueError when q does not fit the cache."""
-        kc, vc, li, _ = stacked_cache(k_cache, v_cache, layer)
-        check_q_fits(q, kc, self.block_size)
         return rpm.ragged_paged_attention_mosaic(
-            q, kc, vc, li, md.block_table, md.tile_seq, md.tile_q_start, md.tile_pos0,
-            md.tile_kv_end, md.token_out_row, sm_scale=float(sm_scale), tiles=md.tiles,
-            interpret=self.interpret)
+            *tiled_kernel_args(q, k_cache, v_cache, md, layer, self.block_size),
+            sm_scale=float(sm_scale), tiles=md.tiles, interpret=self.interpret)

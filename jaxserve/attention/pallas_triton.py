@@ -15,7 +15,8 @@ import functools
 import jax
 
 from jaxserve.attention.common import (TILED_FIELDS, CommonAttentionMetadata, TiledMetadata,
-                                      check_q_fits, host_common, stacked_cache, tiled_fields)
+                                      host_common, stacked_cache, tiled_fields,
+                                      tiled_kernel_args)
 from jaxserve.attention.kernels import kv_cache_update as kvu
 from jaxserve.attention.kernels import ragged_paged_attention as rpa
 
@@ -96,9 +97,7 @@ class PallasTritonBackend:
 
     def attention(self, q, k_cache, v_cache, md: PallasTritonMetadata, *, layer, sm_scale: float):
         """See `AttentionBackend.attention`. Raises ValueError when q does not fit the cache."""
-        kc, vc, li, _ = stacked_cache(k_cache, v_cache, layer)
-        check_q_fits(q, kc, self.block_size)
         return rpa.ragged_paged_attention(
-            q, kc, vc, li, md.block_table, md.tile_seq, md.tile_q_start, md.tile_pos0,
-            md.tile_kv_end, md.token_out_row, sm_scale=float(sm_scale), block_q=md.block_q,
-            pages_per_chunk=self.pages_per_chunk, interpret=self.interpret)
+            *tiled_kernel_args(q, k_cache, v_cache, md, layer, self.block_size),
+            sm_scale=float(sm_scale), block_q=md.block_q, pages_per_chunk=self.pages_per_chunk,
+            interpret=self.interpret)
