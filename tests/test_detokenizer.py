@@ -151,6 +151,27 @@ def test_cjk_stop_string_and_earliest_match(tok):
     assert not any("\ufffd" in x for x in deltas)
 
 
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_stop_string_that_ends_first_wins(tok, include, chunked):
+    # Issue 30 item 1. Text "the quick brown fox", one update holding the whole text (or
+    # one token per update): stops ["quick brown", "ick b", "quick"] end (exclusive) at
+    # 15, 11 and 9, so "quick" wins although "quick brown" is listed first and starts at
+    # the same place; "uick b" and "ick b" both end at 11: the tie goes to the earlier
+    # in the list.
+    text = "the quick brown fox"
+    ids = tok.encode(text)
+    chunks = [len(ids)] if chunked else None
+    for stops, want, cut in ((["quick brown", "ick b", "quick"], "quick", 9),
+                             (["uick b", "ick b"], "uick b", 11),
+                             (["ick b", "uick b"], "ick b", 11)):
+        p = SamplingParams(stop=stops, include_stop_str_in_output=include)
+        deltas, d, ups = _run(tok, ids, p, chunks=chunks, finish=False)
+        assert ups[-1].stop_string == want, (stops, ups[-1].stop_string)
+        start = cut - len(want)
+        assert d.output_text == "".join(deltas) == text[:cut if include else start]
+
+
 def test_holdback_of_possible_stop_prefix_and_flush_on_finish(tok):
     ids = tok.encode("the lazy dog sto")
     params = SamplingParams(stop=["stop words"])

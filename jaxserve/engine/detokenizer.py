@@ -121,11 +121,13 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
     def _find_stop(self, start: int) -> tuple[int, str] | None:
-        """Earliest stop-string match in _text beginning at or after `start`."""
+        """(start index, stop string) of the match beginning at or after `start` that
+        ENDS first, ties to the earlier string in `stop`: what a decoder fed one
+        character at a time would stop at (vLLM's rule, its PRs #49391 / #50200)."""
         best: tuple[int, str] | None = None
         for s in self._stops:
             i = self._text.find(s, start)
-            if i >= 0 and (best is None or i < best[0]):
+            if i >= 0 and (best is None or i + len(s) < best[0] + len(best[1])):
                 best = (i, s)
         return best
 
