@@ -96,6 +96,21 @@ def test_stop_token_id_text_is_left_out(server, stream):
     assert _text(CMPL, server, inc, stream) == ("defg", "stop", g)
 
 
+@fake_only
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_the_stop_string_that_ends_first_wins(server, stream):
+    # Issue 30 item 1 (vLLM's rule): "abc" -> "defg...": on the token "g" both "defg" and
+    # "g" complete, both ending at 'g'; the tie goes to the earlier in the list. The old
+    # rule (earliest start) said "defg" for both orders.
+    body = _body(CMPL, temperature=0, max_tokens=10, stop=["g", "defg"])
+    assert _text(CMPL, server, body, stream)[0] == "def"
+    assert _text(CMPL, server, {**body, "include_stop_str_in_output": True}, stream)[0] == "defg"
+    r = httpx.post(server.url(CMPL), json=body, timeout=30).json()["choices"][0]
+    assert (r["finish_reason"], r["stop_reason"]) == ("stop", "g")
+    r = httpx.post(server.url(CMPL), json={**body, "stop": ["defg", "g"]}, timeout=30).json()
+    assert (r["choices"][0]["text"], r["choices"][0]["stop_reason"]) == ("", "defg")
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_top_k_beyond_vocab_is_no_top_k(server, route):
     body = _body(route, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
