@@ -30,6 +30,7 @@ from jaxserve.server.async_engine import (AddRequestError, AsyncEngine, Completi
 from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                       chat_messages, chat_params, check_num_choices,
                                       completion_params, normalize_prompts, validation_error)
+from jaxserve.server.token_bytes import ChatLogprobTokens
 from jaxserve.structured_output import is_grammar_error, structured_sources
 from jaxserve.validation import Limits, ValidationError, validate_prompt
 
@@ -276,15 +277,20 @@ class OpenAIServing:
                 {str(t): {"logprob": v, "decoded_token": self.token_str(t)} for t, v in e.items()}
                 for e in entries]
 
-    def _logprobs_chat(self, token_ids, logprobs, top_k: int) -> dict[str, Any]:
+    def _logprobs_chat(self, token_ids, logprobs, top_k: int,
+                       reader: ChatLogprobTokens | None = None) -> dict[str, Any]:
+        """Chat `logprobs.content`; each token's real bytes (`reader` carries a streamed
+        choice's unfinished character from one chunk to the next)."""
+        reader = reader or ChatLogprobTokens(self.engine.engine.tokenizer)
         content = []
         for tid, lp in zip(token_ids, logprobs):
-            s = self.token_str(tid)
             top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_k]
+            entries = [reader.entry(t) for t in (tid, *(t for t, _ in top))]
+            reader.advance(tid)
             content.append({
-                "token": s, "logprob": lp.get(tid), "bytes": list(s.encode()),
-                "top_logprobs": [{"token": self.token_str(t), "logprob": v,
-                                  "bytes": list(self.token_str(t).encode())} for t, v in top]})
+                "token": entries[0][0], "logprob": lp.get(tid), "bytes": entries[0][1],
+                "top_logprobs": [{"token": s, "logprob": v, "bytes": b}
+                                 for (s, b), (_, v) in zip(entries[1:], top)]})
         return {"content": content}
 
     # ------------------------------------------------------------------ completions
@@ -430,12 +436,13 @@ class OpenAIServing:
 
         for i in range(len(acc.choices)):
             yield choice(i, {"role": "assistant", "content": ""}, None)
+        readers = [ChatLogprobTokens(self.engine.engine.tokenizer) for _ in acc.choices]
         async for d in group:
             for idx, c in acc.apply(d):
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
                 lp = None
                 if req.logprobs and c.logprobs is not None:
-                    lp = self._logprobs_chat(c.token_ids, c.logprobs, top_k)
+                    lp = self._logprobs_chat(c.token_ids, c.logprobs, top_k, readers[idx])
                 delta = {"content": c.text} if c.text else {}
                 yield choice(idx, delta, c.finish_reason, lp)
