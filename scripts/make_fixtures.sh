@@ -33,3 +33,4 @@ if [[ ! -f "$MODEL" ]]; then
 fi
 
 "$VENV/bin/python" scripts/make_golden.py --out tests/fixtures --model "$MODEL" "$@"
+"$VENV/bin/python" scripts/make_chat_template_golden.py --out tests/fixtures --model "$MODEL"

@@ -22,22 +22,39 @@ from jaxserve.server.protocol import (DETOKENIZE_RULES, APIError, DetokenizeRequ
 from jaxserve.validation import ValidationError, run_rules
 
 
-def continue_final_message(text: str, messages: list[dict[str, str]]) -> str:
-    """Cut a rendered conversation right after the final message's content.
+# A marker no real conversation holds; its trailing space shows whether the template
+# trimmed what follows the content (then the content's own trailing space went too).
+_CONTINUE_TAG = "\u2063JAXSERVE_CONTINUE_FINAL\u2063 "
 
-    transformers' `continue_final_message`: the template's end-of-turn
-    tokens after the last message are dropped, so the model continues that
-    message instead of starting a new turn.
+
+def continue_final_message(tok: Any, messages: list[dict[str, str]]) -> str:
+    """Render `messages` so the text ends right where the final message's content ends.
+
+    transformers' `apply_chat_template(continue_final_message=True)`: the final
+    content is rendered with a marker appended and the text is cut at the marker, so
+    a trailing space or newline in the content is kept, an empty final message
+    leaves its turn open, and the cut never lands inside the template's end-of-turn
+    marker (a final "end" no longer matches inside "<|im_end|>"). A template that
+    strips the content's trailing whitespace also strips it here.
+
+    Args:
+      tok: the served tokenizer (its `apply_chat_template(messages, ...,
+        tokenize=False)` renders text).
+      messages: `{"role", "content"}` dicts, the last one to be continued.
 
     Raises:
-      APIError(400, param="messages"): the final content is empty or not in the text.
+      APIError(400, param="messages"): the template drops the final content.
     """
-    final = messages[-1]["content"].strip()
-    at = text.rfind(final) if final else -1
+    tagged = [dict(m) for m in messages]
+    tagged[-1]["content"] = str(tagged[-1]["content"]) + _CONTINUE_TAG
+    text = tok.apply_chat_template(tagged, add_generation_prompt=False, tokenize=False)
+    at = text.rfind(_CONTINUE_TAG.strip())
     if at < 0:
         raise APIError(400, "continue_final_message=true needs a final message whose content "
                        "appears in the rendered template", param="messages")
-    return text[:at + len(final)]
+    if text.startswith(_CONTINUE_TAG, at):
+        return text[:at]
+    return text[:at].rstrip()  # the template trimmed the content's trailing whitespace
 
 
 class TokenizationServing:
@@ -67,11 +84,12 @@ class TokenizationServing:
                            param="continue_final_message")
         messages = chat_messages(req)
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+            if req.continue_final_message:
+                return continue_final_message(tok, messages)
+            return tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                            tokenize=False)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
-        return continue_final_message(text, messages) if req.continue_final_message else text
 
     def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
         """The ids of a prompt or conversation, their count and the server's max_model_len."""

@@ -25,6 +25,7 @@ from .helpers import MODEL, healthy_probe, running_server
 ROOT = Path(__file__).resolve().parents[2]
 GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GOLDEN = ROOT / "tests" / "fixtures" / "smollm2" / "tokenizer_golden.json"
+CONTINUE_GOLDEN = GOLDEN.with_name("continue_final_golden.json")
 
 
 def _ids(word: str) -> list[int]:
@@ -127,3 +128,23 @@ def test_smollm2_tokenizer_golden():
             assert r.json()["tokens"] == case["ids"]
             d = _post(srv, "/detokenize", {"tokens": case["ids"]})
             assert d.json() == {"prompt": case["text"]}
+        for case in json.loads(CONTINUE_GOLDEN.read_text())["cases"]:
+            r = _post(srv, "/tokenize", {"messages": case["messages"], "add_generation_prompt": False,
+                                         "continue_final_message": True})
+            assert r.json()["tokens"] == tok.encode(case["text"], add_special_tokens=False)
+
+
+@pytest.mark.skipif(not GGUF.is_file(), reason="SmolLM2 GGUF not downloaded")
+def test_continue_final_message_matches_transformers():
+    """Issue 30 item 3: the text ends exactly where the final content ends, as
+    transformers renders it (fixture by scripts/make_chat_template_golden.py): a
+    trailing space or newline kept, an empty final message leaves the turn open,
+    a final "end" is not matched inside "<|im_end|>"."""
+    from jaxserve.checkpoint.gguf_loader import read_gguf_header
+    from jaxserve.server.serving_tokens import continue_final_message
+
+    _, _, tok = read_gguf_header(GGUF)
+    cases = json.loads(CONTINUE_GOLDEN.read_text())["cases"]
+    assert any(c["messages"][-1]["content"] == "end" for c in cases)
+    for case in cases:
+        assert continue_final_message(tok, case["messages"]) == case["text"], case["messages"]
