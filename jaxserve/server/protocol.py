@@ -16,7 +16,8 @@ a token id) is a 400, never silently coerced. Unknown fields are ignored, as in
 OpenAI's API.
 
 max_tokens policy: `max_tokens` (or chat `max_completion_tokens`) must be an
-int >= 1, else 400 naming the field; omitted or null means "until EOS / stop,
+int >= 1, else 400 naming the field (except completions' `echo: true` with
+`max_tokens: 0`: the prompt alone, see `echo_without_generation`); omitted or null means "until EOS / stop,
 at most max_model_len - prompt_tokens" (the engine clamps) on both endpoints;
 unlike OpenAI's legacy completions default of 16. A prompt that leaves no room
 for one output token (prompt_tokens >= max_model_len) is a 400 from the engine.
@@ -335,9 +336,18 @@ def completion_params(req: CompletionRequest, *, served_model_names: list[str],
         if prompt_lps is None:
             field = "echo"
         prompt_lps = max(prompt_lps or 0, req.logprobs)
-    return _build_params(req, max_tokens=req.max_tokens, max_tokens_field="max_tokens",
+    # echo with max_tokens=0 (lm-eval's loglikelihood): the engine runs one token, the
+    # server returns the prompt alone (vLLM's echo_without_generation, its PR #44938).
+    max_tokens = 1 if echo_without_generation(req) else req.max_tokens
+    return _build_params(req, max_tokens=max_tokens, max_tokens_field="max_tokens",
                          logprobs=req.logprobs, limits=limits, prompt_logprobs=prompt_lps,
                          prompt_logprobs_field=field)
+
+
+def echo_without_generation(req: CompletionRequest) -> bool:
+    """`echo: true` with `max_tokens: 0`: the choice is the prompt alone (its text, and its
+    prompt logprobs when `logprobs` is set, the first null), no completion tokens (vLLM)."""
+    return bool(req.echo) and req.max_tokens == 0
 
 
 def chat_params(req: ChatCompletionRequest, *, served_model_names: list[str],

@@ -29,7 +29,8 @@ from jaxserve.server.async_engine import (AddRequestError, AsyncEngine, Completi
                                           RequestGroup)
 from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                       chat_messages, chat_params, check_num_choices,
-                                      completion_params, normalize_prompts, validation_error)
+                                      completion_params, echo_without_generation,
+                                      normalize_prompts, validation_error)
 from jaxserve.server.token_bytes import ChatLogprobTokens
 from jaxserve.structured_output import is_grammar_error, structured_sources
 from jaxserve.validation import Limits, ValidationError, validate_prompt
@@ -262,6 +263,25 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def _echo_only(self, acc: _Acc, req: CompletionRequest, head: dict,
+                   echo: list[str]) -> dict[str, Any]:
+        """The body of an echo-without-generation request: each choice is its prompt's
+        text (and prompt logprobs, first null), finish_reason "length", no completion
+        tokens; the one token the engine ran for it is dropped."""
+        choices = []
+        for i in range(len(acc.choices)):
+            p = i // req.n
+            lp = None
+            if req.logprobs is not None:
+                ids = acc.prompt_ids[p]
+                lp = self._echo_logprobs(ids, acc.prompt_logprobs[p] or [None] * len(ids),
+                                         req.logprobs)
+            choices.append({"index": i, "text": echo[p], "logprobs": lp,
+                            "finish_reason": "length", "stop_reason": None})
+        for ch in acc.choices:  # so acc.usage() (JSON and the stream's last chunk) counts 0
+            ch.token_ids, ch.logprobs, ch.text = [], [], []
+        return {**head, "choices": choices, "usage": acc.usage()}
+
     def _with_echo_logprobs(self, acc: _Acc, p: int, k: int, completion: dict) -> dict:
         """The prompt's echo logprobs prepended to a choice's completion logprobs."""
         ids = acc.prompt_ids[p]
@@ -327,6 +347,8 @@ class OpenAIServing:
             return _GroupStream(self._stream_completion(group, acc, req, head, echo), group)
         if not await self._collect(group, acc, raw):
             return Response(status_code=499)
+        if echo_without_generation(req):
+            return JSONResponse(self._echo_only(acc, req, head, echo))
         choices = []
         for i, ch in enumerate(acc.choices):
             prefix = echo[i // req.n] if echo else ""
@@ -375,6 +397,13 @@ class OpenAIServing:
             return {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": finish,
                     "stop_reason": stop_reason}
 
+        if echo_without_generation(req):
+            async for d in group:
+                acc.apply(d)
+            body = self._echo_only(acc, req, {}, echo)
+            for c in body["choices"]:
+                yield c
+            return
         # echo with logprobs waits for the prompt's logprobs (its first delta with tokens).
         echo_lp = bool(echo) and req.logprobs is not None
         echoed = [not echo_lp] * len(acc.prompt_ids)

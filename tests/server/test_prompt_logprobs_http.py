@@ -50,6 +50,16 @@ def post(server, **body):
     return httpx.post(server.url("/v1/completions"), json={"model": MODEL, **body}, timeout=60)
 
 
+def _sse(server, body: dict) -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
 def test_prompt_logprobs_field(server):
     r = post(server, prompt=PROMPT, max_tokens=2, temperature=0, prompt_logprobs=2)
     assert r.status_code == 200, r.text
@@ -90,12 +100,7 @@ def test_echo_with_logprobs_prepends_the_prompt(server):
 def test_streamed_echo_with_logprobs_comes_first(server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": True,
             "logprobs": 0, "stream": True}
-    chunks = []
-    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:]))
+    chunks = _sse(server, body)
     first = chunks[0]["choices"][0]
     tok = tiny_tokenizer()
     assert first["text"] == tok.decode(PROMPT)
@@ -132,3 +137,42 @@ def test_scoring_off_names_the_flag():
             assert err["param"] == param and "--enable_prompt_logprobs" in err["message"], err
         r = post(srv, prompt=PROMPT, max_tokens=1, echo=True)  # echo alone needs no scores
         assert r.status_code == 200
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(server):
+    # Issue 30 item 2 (vLLM's echo_without_generation): lm-eval's loglikelihood request.
+    tok = tiny_tokenizer()
+    want = expected(server, PROMPT, 1)
+    for prompt in (PROMPT, tok.decode(PROMPT)):  # token ids and text
+        r = post(server, prompt=prompt, max_tokens=0, echo=True, logprobs=1, n=2)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 0,
+                                 "total_tokens": len(PROMPT)}
+        for ch in body["choices"]:
+            assert ch["text"] == tok.decode(PROMPT) and ch["finish_reason"] == "length"
+            lp = ch["logprobs"]
+            assert lp["tokens"] == [tok.decode([t]) for t in PROMPT]
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            np.testing.assert_allclose(lp["token_logprobs"][1:],
+                                       [want[j][PROMPT[j]] for j in range(1, len(PROMPT))],
+                                       atol=1e-4)
+    # Without logprobs: the text alone; streamed: the same choice, usage 0 completion tokens.
+    r = post(server, prompt=PROMPT, max_tokens=0, echo=True)
+    assert r.json()["choices"][0]["text"] == tok.decode(PROMPT)
+    assert r.json()["choices"][0]["logprobs"] is None
+    chunks = _sse(server, {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True,
+                           "logprobs": 0, "stream": True,
+                           "stream_options": {"include_usage": True}})
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["text"] for c in choices) == tok.decode(PROMPT)
+    assert choices[-1]["finish_reason"] == "length"
+    assert sum(len(c["logprobs"]["tokens"]) for c in choices) == len(PROMPT)
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    healthy_probe(server)
+
+
+def test_max_tokens_0_without_echo_stays_a_400(server):
+    r = post(server, prompt=PROMPT, max_tokens=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "max_tokens" in r.json()["error"]["message"]
