@@ -89,6 +89,7 @@ def test_abort_mode_fails_in_flight_with_old_tokens(eng):
         c = outs[rid].outputs[0]
         assert c.finish_reason == "error" and f"from version {v} to {v + 1}" in c.error
         assert c.token_ids == ref_a[rid][:K]
+        assert c.token_weight_versions == [v] * K
     assert used(eng) == 0
 
 
@@ -96,11 +97,12 @@ def test_retract_mode_reruns_on_new_weights(eng):
     ref_a = reference(eng, 0, PROMPTS)
     # what B gives for prompt + the K tokens made under A
     cont = reference(eng, 1, {rid: p + ref_a[rid][:K] for rid, p in PROMPTS.items()}, N - K)
-    outs, _ = swap_in_flight(eng, "retract")
+    outs, v = swap_in_flight(eng, "retract")
     for rid in PROMPTS:
         c = outs[rid].outputs[0]
         assert c.finish_reason == "length"
         assert c.token_ids == ref_a[rid][:K] + cont[rid]
+        assert c.token_weight_versions == [v] * K + [v + 1] * (N - K)
     assert eng.scheduler.num_preemptions > 0 and used(eng) == 0
 
 
@@ -115,12 +117,11 @@ def test_keep_mode_goes_on_with_its_kv(eng):
     outs = drain(eng)
     assert {rid: outs[rid].outputs[0].token_ids for rid in PROMPTS} == ref_a
     # new weights under keep: A's tokens up to the boundary, then B's sampling
-    start(eng)
-    eng.update_params(params(1), in_flight="keep")
-    outs = drain(eng)
+    outs, v = swap_in_flight(eng, "keep")
     for rid in PROMPTS:
         c = outs[rid].outputs[0]
         assert c.finish_reason == "length" and len(c.token_ids) == N
+        assert c.token_weight_versions == [v] * K + [v + 1] * (N - K)
         assert c.token_ids[:K] == ref_a[rid][:K]
     assert used(eng) == 0
 
@@ -160,3 +161,19 @@ def test_bad_calls_are_clear_errors(eng):
     assert eng.get_stats()["paused"] is True
     eng.resume_generation()
     assert eng.get_stats()["paused"] is False
+
+
+def test_abort_older_than_ends_exactly_the_older(eng):
+    ref_b = reference(eng, 1, PROMPTS)
+    eng.update_params(params(0))
+    start(eng)  # a, b, c start under version v
+    v = eng.weight_version
+    eng.update_params(params(1), in_flight="keep")
+    eng.add_request("new", PROMPTS["a"], greedy())  # starts under v + 1
+    assert sorted(eng.abort_older_than(v + 1)) == sorted(PROMPTS)
+    assert eng.abort_older_than(v + 1) == []
+    outs = drain(eng)
+    assert set(outs) == {"new"}
+    c = outs["new"].outputs[0]
+    assert c.token_ids == ref_b["a"] and c.token_weight_versions == [v + 1] * N
+    assert used(eng) == 0 and not eng.provenance.started

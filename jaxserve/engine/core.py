@@ -31,6 +31,7 @@ from typing import Any, Sequence
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
 from jaxserve.engine.pause import Pauser, check_mode
+from jaxserve.engine.provenance import WeightProvenance
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.scheduler.request import RequestStatus
@@ -140,6 +141,7 @@ class LLMEngine:
         self.weight_version = 0  # +1 per successful update_params
         self._pending: list[RequestOutput] = []  # outputs of requests update_params failed
         self.pauser = Pauser(self.scheduler, self.outputs, self._step)  # issue 28
+        self.provenance = WeightProvenance()  # issue 28: token_weight_versions
         self.grammars = None  # structured_output.GrammarCompiler (llguidance), with a tokenizer
         if tokenizer is not None:
             from jaxserve.structured_output import GrammarCompiler
@@ -185,6 +187,8 @@ class LLMEngine:
             fut = self.grammars.submit(so.spec)
             if not fut.done():  # hold it; `_admit_compiled` queues it once compiled
                 self.outputs.add(p)
+                self.provenance.add(p.request_id, [c.request_id for c in p.children],
+                                    self.weight_version)
                 self._awaiting_grammar[p.request_id] = (p, fut)
                 self.prompt_tokens_total += len(p.prompt_token_ids)
                 return p.prompt_token_ids
@@ -210,6 +214,8 @@ class LLMEngine:
                 self.scheduler.abort(cid)
             raise
         if not tracked:
+            self.provenance.add(p.request_id, [c.request_id for c in p.children],
+                                self.weight_version)
             self.outputs.add(p)
             self.prompt_tokens_total += len(p.prompt_token_ids)
 
@@ -251,8 +257,8 @@ class LLMEngine:
         if self._awaiting_grammar:
             pending += self._admit_compiled()
         if self.pauser.paused:  # paused: nothing is scheduled until resume_generation()
-            return pending
-        return pending + self._step()
+            return self.provenance.fill(pending)
+        return self.provenance.fill(pending + self._step())
 
     def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
@@ -282,6 +288,7 @@ class LLMEngine:
             {rid: r.prompt if isinstance(r, SampledToken) else r for rid, r in results.items()
              if isinstance(r, PromptLogprobs) or getattr(r, "prompt", None) is not None})
         self.scheduler.update_from_output(out, {rid: t.token_id for rid, t in sampled.items()})
+        self.provenance.record(sampled, self.weight_version)
         changed += self.outputs.process_tokens(sampled, time.monotonic())
         if self.grammars is not None and self.grammars.num_compiled:
             changed += self.outputs.advance_grammars(sampled)
@@ -363,10 +370,20 @@ class LLMEngine:
         if children is None:
             return False
         self._awaiting_grammar.pop(request_id, None)  # held for its grammar: never queued
+        self.provenance.drop(request_id)
         for req in children:
             self.scheduler.abort(req.request_id)
         self.num_aborted += 1
         return True
+
+    def abort_older_than(self, version: int) -> list[str]:
+        """Abort the requests that started under a weight version older than
+        `version` (issue 28; SGLang has a draft of the same); return their ids.
+        Requests started at `version` or later go on untouched."""
+        ids = self.provenance.older_than(version)
+        for rid in ids:
+            self.abort(rid)
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is live or a finished one's output awaits `step()`."""
