@@ -138,10 +138,19 @@ class LLM:
         config = make_engine_config(cfg, **engine_args)
         return cls(engine=LLMEngine(config, module, tokenizer, model_name=model_name))
 
-    def update_params(self, params: Any) -> int:
+    def update_params(self, params: Any, in_flight: str = "abort") -> int:
         """Swap the weights without recompiling; the new weight version (see
-        `LLMEngine.update_params`: validation, prefix cache, requests in flight)."""
-        return self.engine.update_params(params)
+        `LLMEngine.update_params`: validation, prefix cache, requests in flight,
+        the pause mode `in_flight`)."""
+        return self.engine.update_params(params, in_flight=in_flight)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Pause the engine between steps (`LLMEngine.pause_generation`, issue 28)."""
+        self.engine.pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        """Resume after `pause_generation`; ValueError when not paused."""
+        self.engine.resume_generation()
 
     @property
     def weight_version(self) -> int:

@@ -74,6 +74,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    # Issue 28: the weight version (LLMEngine.weight_version) each token was sampled under.
+    token_weight_versions: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -31,6 +31,8 @@ from typing import Any, Sequence
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
 from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
+from jaxserve.engine.pause import Pauser, check_mode
+from jaxserve.engine.provenance import WeightProvenance
 from jaxserve.outputs import RequestOutput
 from jaxserve.scheduler.request import RequestStatus
 from jaxserve.worker.runner import PromptLogprobs, RowError, Runner, SampledToken
@@ -141,6 +143,8 @@ class LLMEngine:
         self.num_failed_steps = 0
         self.weight_version = 0  # +1 per successful update_params
         self._pending: list[RequestOutput] = []  # outputs of requests update_params failed
+        self.pauser = Pauser(self.scheduler, self.outputs, self._step)  # issue 28
+        self.provenance = WeightProvenance()  # issue 28: token_weight_versions
         self.grammars = None  # structured_output.GrammarCompiler (llguidance), with a tokenizer
         if tokenizer is not None:
             from jaxserve.structured_output import GrammarCompiler
@@ -186,6 +190,8 @@ class LLMEngine:
             fut = self.grammars.submit(so.spec)
             if not fut.done():  # hold it; `_admit_compiled` queues it once compiled
                 self.outputs.add(p)
+                self.provenance.add(p.request_id, [c.request_id for c in p.children],
+                                    self.weight_version)
                 self._awaiting_grammar[p.request_id] = (p, fut)
                 self.prompt_tokens_total += len(p.prompt_token_ids)
                 return p.prompt_token_ids
@@ -211,6 +217,8 @@ class LLMEngine:
                 self.scheduler.abort(cid)
             raise
         if not tracked:
+            self.provenance.add(p.request_id, [c.request_id for c in p.children],
+                                self.weight_version)
             self.outputs.add(p)
             self.prompt_tokens_total += len(p.prompt_token_ids)
 
@@ -251,7 +259,9 @@ class LLMEngine:
         pending, self._pending = self._pending, []
         if self._awaiting_grammar:
             pending += self._admit_compiled()
-        return pending + self._step()
+        if self.pauser.paused:  # paused: nothing is scheduled until resume_generation()
+            return self.provenance.fill(pending)
+        return self.provenance.fill(pending + self._step())
 
     def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule(self.runner.token_cap)
@@ -281,6 +291,7 @@ class LLMEngine:
             {rid: r.prompt if isinstance(r, SampledToken) else r for rid, r in results.items()
              if isinstance(r, PromptLogprobs) or getattr(r, "prompt", None) is not None})
         self.scheduler.update_from_output(out, {rid: t.token_id for rid, t in sampled.items()})
+        self.provenance.record(sampled, self.weight_version)
         progressed, fin = self.outputs.process_tokens(sampled, time.monotonic())
         self._apply(fin)
         changed += progressed
@@ -298,7 +309,7 @@ class LLMEngine:
             self.scheduler.finish_requests([rid], status)
 
     # -------------------------------------------------------------- weights
-    def update_params(self, params: Any) -> int:
+    def update_params(self, params: Any, in_flight: str = "abort") -> int:
         """Swap the model weights between steps; return the new `weight_version`.
 
         `params` is a `Llama` NNX module, its `nnx.State` or a canonical tree
@@ -315,19 +326,56 @@ class LLMEngine:
           ValueError: a missing, extra, mis-shaped or wrongly typed leaf, naming
             its path; the engine then keeps serving the old weights untouched.
           TypeError: the runner cannot swap weights (e.g. a FakeRunner).
+
+        `in_flight` (issue 28) is the pause mode used around the swap (see
+        `pause_generation`); "abort" is the behaviour above. When the engine is
+        already paused, the swap happens inside that pause and `in_flight` is unused.
         """
+        check_mode(in_flight)
         swap = getattr(self.runner, "update_params", None)
         if swap is None:
             raise TypeError(f"{type(self.runner).__name__} has no update_params")
-        swap(params)  # validates first: a bad tree raises here, before anything changes
-        live = list(self.scheduler.requests)
-        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR)
-        msg = (f"weights updated from version {self.weight_version} to "
-               f"{self.weight_version + 1} while the request was in flight")
-        self._pending += self.outputs.collect(self.outputs.fail(live, msg))
-        self.scheduler.reset_prefix_cache()
+        own = not self.pauser.paused
+        if own and in_flight == "wait":  # drain on the old weights, then swap
+            self.pause_generation("wait")
+            try:
+                swap(params)
+            except Exception:
+                self.resume_generation()
+                raise
+        else:  # no step runs in between, so validating first changes nothing
+            swap(params)  # a bad tree raises here, before anything changes
+            if own:
+                self.pause_generation(in_flight, _new_version=self.weight_version + 1)
         self.weight_version += 1
+        if own:
+            self.resume_generation()
+        self.scheduler.reset_prefix_cache()
         return self.weight_version
+
+    def pause_generation(self, mode: str = "abort", *, _new_version: int | None = None) -> None:
+        """Pause between two steps (vLLM's `pause_generation`, SGLang's abort /
+        in_place / retract); `step()` then schedules nothing until `resume_generation()`.
+
+        Modes for the requests in flight: "abort" fails them (finish_reason "error");
+        "wait" admits nobody new and runs this engine's own steps until the running
+        ones finish; "keep" leaves them with their KV, to go on after resume (over
+        new weights if `update_params` ran meanwhile); "retract" preempts them by
+        recompute, so after resume they rerun prompt + tokens so far. Outputs of
+        requests that ended come back from the next `step()` calls.
+
+        Raises:
+          ValueError: an unknown mode, or already paused.
+        """
+        new = self.weight_version + 1 if _new_version is None else _new_version
+        msg = (f"weights updated from version {self.weight_version} to {new} while the "
+               f"request was in flight" if _new_version is not None else
+               f"generation paused (mode 'abort') at weight version {self.weight_version}")
+        self._pending += self.pauser.pause(mode, msg)
+
+    def resume_generation(self) -> None:
+        """Resume after `pause_generation`. Raises ValueError when not paused."""
+        self.pauser.resume()
 
     # -------------------------------------------------------------- control
     def abort(self, request_id: str) -> bool:
@@ -336,10 +384,20 @@ class LLMEngine:
         if children is None:
             return False
         self._awaiting_grammar.pop(request_id, None)  # held for its grammar: never queued
+        self.provenance.drop(request_id)
         for req in children:
             self.scheduler.abort(req.request_id)
         self.num_aborted += 1
         return True
+
+    def abort_older_than(self, version: int) -> list[str]:
+        """Abort the requests that started under a weight version older than
+        `version` (issue 28; SGLang has a draft of the same); return their ids.
+        Requests started at `version` or later go on untouched."""
+        ids = self.provenance.older_than(version)
+        for rid in ids:
+            self.abort(rid)
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is live or a finished one's output awaits `step()`."""
@@ -376,4 +434,5 @@ class LLMEngine:
             "compile_seconds": rs.compile_seconds,
             "last_step_tokens": self.last_step_tokens,
             "weight_version": self.weight_version,
+            "paused": self.pauser.paused,
         }

@@ -1,0 +1,59 @@
+"""Weight provenance of generated tokens (issue 28): the weight version each token
+was sampled under (`CompletionOutput.token_weight_versions`) and the version each
+request started under (for `LLMEngine.abort_older_than`)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from jaxserve.outputs import RequestOutput
+
+
+class WeightProvenance:
+    """Per-request weight versions, kept by the engine beside the output processor.
+
+    `versions[child_id]` has one int per sampled token of that child (a sample of
+    a request with n > 1); `started[request_id]` is the weight version live when
+    the request was added.
+    """
+
+    def __init__(self) -> None:
+        self.versions: dict[str, list[int]] = {}
+        self.started: dict[str, int] = {}
+        self._children: dict[str, list[str]] = {}
+
+    def add(self, request_id: str, child_ids: list[str], version: int) -> None:
+        """Start tracking a request added under weight `version`."""
+        self.started[request_id] = version
+        self._children[request_id] = list(child_ids)
+        for cid in child_ids:
+            self.versions[cid] = []
+
+    def record(self, child_ids: Iterable[str], version: int) -> None:
+        """One token was sampled for each of `child_ids` under weight `version`."""
+        for cid in child_ids:
+            if cid in self.versions:
+                self.versions[cid].append(version)
+
+    def older_than(self, version: int) -> list[str]:
+        """Ids of the tracked requests that started under a weight version < `version`."""
+        return [rid for rid, v in self.started.items() if v < version]
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request (finished or aborted)."""
+        self.started.pop(request_id, None)
+        for cid in self._children.pop(request_id, ()):
+            self.versions.pop(cid, None)
+
+    def fill(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Set `token_weight_versions` on each completion (one int per token id);
+        forget the requests that finished. Returns `outputs`."""
+        for o in outputs:
+            kids = self._children.get(o.request_id)
+            if kids is None:
+                continue
+            for c in o.outputs:
+                c.token_weight_versions = list(self.versions[kids[c.index]][:len(c.token_ids)])
+            if o.finished:
+                self.drop(o.request_id)
+        return outputs
