@@ -343,9 +343,11 @@ def cmd_serve() -> int:
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
-    if not argv or argv[0] not in ("buckets", "serve", "compare"):
-        raise app.UsageError("usage: jaxserve bench buckets|serve|compare [flags]")
-    if argv[0] == "buckets":
+    if not argv or argv[0] not in ("buckets", "serve", "compare", "host"):
+        raise app.UsageError("usage: jaxserve bench buckets|serve|compare|host [flags]")
+    if argv[0] == "host":
+        from jaxserve.bench.host import main as bench_main
+    elif argv[0] == "buckets":
         from jaxserve.bench.buckets import main as bench_main
     elif argv[0] == "compare":
         from jaxserve.bench.compare import main as bench_main

@@ -276,11 +276,12 @@ class GrammarMatcher:
     (the output tokens are kept too).
     """
 
-    __slots__ = ("_m", "spec")
+    __slots__ = ("_m", "spec", "bitmask_words")
 
-    def __init__(self, matcher: Any, spec: GuidedSpec):
+    def __init__(self, matcher: Any, spec: GuidedSpec, vocab_size: int):
         self._m = matcher
         self.spec = spec
+        self.bitmask_words = bitmask_words(vocab_size)  # width of `fill_bitmask`'s row
 
     def fill_bitmask(self, row: np.ndarray) -> None:
         """Write the allowed tokens into `row` (int32[ceil(V/32)], C-contiguous).
@@ -315,11 +316,11 @@ class GrammarMatcher:
 class _Compiled:
     """A compiled grammar: a matcher in its start state, copied per request."""
 
-    def __init__(self, matcher: Any, spec: GuidedSpec):
-        self._template, self.spec = matcher, spec
+    def __init__(self, matcher: Any, spec: GuidedSpec, vocab_size: int):
+        self._template, self.spec, self.vocab_size = matcher, spec, vocab_size
 
     def new_matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy(), self.spec)
+        return GrammarMatcher(self._template.deep_copy(), self.spec, self.vocab_size)
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
@@ -401,9 +402,9 @@ class GrammarCompiler:
             raise ValidationError(spec.kind, spec.spec, f"invalid {spec.kind}: {m.get_error()}")
         # The first mask builds the lexer (the bulk of the cost): pay it here, not in a step.
         row = np.zeros(bitmask_words(self.vocab_size), np.int32)
-        GrammarMatcher(m.deep_copy(), spec).fill_bitmask(row)
+        GrammarMatcher(m.deep_copy(), spec, self.vocab_size).fill_bitmask(row)
         self.num_compiled += 1
-        return _Compiled(m, spec)
+        return _Compiled(m, spec, self.vocab_size)
 
     def submit(self, spec: GuidedSpec) -> concurrent.futures.Future:
         """A future of the compiled grammar (done at once on a cache hit).

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import statistics
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -30,26 +29,27 @@ from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.programs import _head_fn, _stack_fn
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
-from jaxserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from jaxserve.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
-def decode_plan(runner: ModelRunner, n: int, context: int) -> tuple[SchedulerOutput, dict]:
-    """A plan of n decode rows at position `context`, and stand-in requests for sampling."""
+def decode_plan(runner: ModelRunner, n: int, context: int) -> SchedulerOutput:
+    """A plan of n decode rows at position `context` that brings its requests' data."""
     bs, pol = runner.block_size, runner.bucket_policy
     per_seq = context // bs + 1
-    rows, reqs = [], {}
+    rows, new = [], []
     for i in range(n):
         blocks = tuple(1 + i * per_seq + j for j in range(per_seq))
         rid = f"r{i}"
         rows.append(ScheduledRequest(request_id=rid, token_ids=(17,), start_pos=context,
                                      block_ids=blocks, sample=True, output_pos=0))
-        reqs[rid] = types.SimpleNamespace(sampling_params=SamplingParams(temperature=0.0),
-                                          seed=0, prompt_token_ids=[17] * context,
-                                          output_token_ids=[], eos_token_ids=(2,))
+        new.append(NewRequestData(rid, (17,) * context, SamplingParams(temperature=0.0),
+                                  seed=0, eos_token_ids=(2,), logprob_start=None,
+                                  output_token_ids=()))
     t_pad, s_pad = pol.pad(n, n)
     out = SchedulerOutput(scheduled=tuple(rows), num_scheduled_tokens=n, token_bucket=t_pad,
-                          seq_bucket=s_pad, preempted_ids=(), finished_ids=(), step=0)
-    return out, reqs
+                          seq_bucket=s_pad, preempted_ids=(), finished_ids=(), step=0,
+                          scheduled_new_reqs=tuple(new))
+    return out
 
 
 def median_ms(fn, iters: int) -> float:
@@ -62,7 +62,7 @@ def median_ms(fn, iters: int) -> float:
     return statistics.median(ts)
 
 
-def fused_step(runner: ModelRunner, out: SchedulerOutput, reqs: dict):
+def fused_step(runner: ModelRunner, out: SchedulerOutput):
     """The pre-split form at one shape: stack and head inside one compiled program."""
     def step(params, kv, batch):
         rows, kv, _ = _stack_fn(runner.cfg, runner.backend, params, kv,
@@ -70,7 +70,7 @@ def fused_step(runner: ModelRunner, out: SchedulerOutput, reqs: dict):
         return _head_fn(runner.cfg, runner.config.max_logprobs, runner.config.logprobs_mode,
                         params, rows, batch.sampling), kv
 
-    host, _ = runner._host_batch(out, reqs)
+    host, _ = runner._host_batch(out, runner.requests.update(out)[0])
     # _stack_fn takes the stacked [L, N, B, K, D] cache; layer-group runners keep one
     # buffer per layer, so this program gets a stacked copy of its own.
     kv = {"kv": runner.kv_cache if runner.group is None else
@@ -106,11 +106,11 @@ def main():
     for n in (int(x) for x in a.rows.split(",")):
         if n > a.max_num_seqs:
             continue
-        out, reqs = decode_plan(runner, n, a.context)
-        split = median_ms(lambda: runner.execute(out, reqs), a.iters)
+        out = decode_plan(runner, n, a.context)
+        split = median_ms(lambda: runner.execute(out), a.iters)
         line = f"rows={n} (T_pad, S_pad)=({out.token_bucket}, {out.seq_bucket}): split {split:.2f} ms"
         if n in fused_rows:
-            line += f", fused {median_ms(fused_step(runner, out, reqs), a.iters):.2f} ms"
+            line += f", fused {median_ms(fused_step(runner, out), a.iters):.2f} ms"
         print(line, flush=True)
 
 

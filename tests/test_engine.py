@@ -406,13 +406,13 @@ def test_engine_step_failure_is_retried_on_a_rebuilt_cache(monkeypatch):
     real_execute = runner.execute
     calls = {"n": 0}
 
-    def failing(out, requests):
+    def failing(out):
         calls["n"] += 1
         if calls["n"] == 3:  # mid-decode, mid-stack: the caches donated so far are lost
             for a in jax.tree.leaves(runner.kv_cache)[:3]:
                 a.delete()
             raise RuntimeError("injected device failure")
-        return real_execute(out, requests)
+        return real_execute(out)
 
     monkeypatch.setattr(runner, "execute", failing)
     done = run_all(engine, [("x", P, greedy(8)), ("y", prompt_of(9), greedy(8))])

@@ -53,11 +53,11 @@ def _engine(num_kv_blocks: int, max_num_seqs: int, budget: int, fail_rows: bool,
                                    fail_row=row_fails, fail_step=step_fails)
     execute = runner.execute
 
-    def checked_execute(out, requests):  # every plan the engine runs, before it runs
+    def checked_execute(out):  # every plan the engine runs, before it runs
         assert all(len(sr.token_ids) >= 1 for sr in out.scheduled), out
         assert out.num_scheduled_tokens >= len(out.scheduled) >= 1, out
         runner.plans_checked += 1
-        return execute(out, requests)
+        return execute(out)
 
     runner.execute, runner.plans_checked = checked_execute, 0
     return LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False), runner

@@ -270,7 +270,7 @@ class LLMEngine:
         if not out.scheduled:
             return []
         try:
-            results = self.runner.execute(out, self.scheduler.requests)
+            results = self.runner.execute(out)
         except Exception as e:  # one bad step fails its requests, never the engine
             logger.exception("engine step failed")
             self.num_failed_steps += 1

@@ -71,13 +71,11 @@ class Pauser:
             sched.finish_requests(live, RequestStatus.FINISHED_ERROR)
             out = self.outputs.collect(self.outputs.fail(live, abort_message))
         elif mode == "wait":
-            self._held, sched.waiting = sched.waiting, type(sched.waiting)()
-            while sched.running:
+            self._held = sched.set_aside_waiting()
+            while sched.num_running:
                 out += self._step()
         elif mode == "retract":
-            for req in reversed(list(sched.running)):  # push_front: keep their order
-                sched.running.remove(req)
-                sched._preempt(req)  # frees its KV; it recomputes prompt + outputs later
+            sched.retract_running()  # frees their KV; they recompute prompt + outputs later
         self.mode = mode
         return out
 
@@ -91,9 +89,6 @@ class Pauser:
         if not self.paused:
             raise ValueError("resume_generation: generation is not paused")
         if self._held is not None:
-            drained = self.scheduler.waiting
-            first = [drained.pop() for _ in range(len(drained))]
-            for req in reversed(first):
-                self._held.push_front(req)
-            self.scheduler.waiting, self._held = self._held, None
+            self.scheduler.restore_waiting(self._held)
+            self._held = None
         self.mode = None

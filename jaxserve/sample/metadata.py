@@ -69,7 +69,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: tuple[int, ...] = ()
-    grammar: Any = None  # a structured_output.GrammarMatcher: fills this row's bitmask
+    allowed: np.ndarray | None = None  # i32[ceil(V/32)]: the grammar's bitmask row, or None
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -121,7 +121,7 @@ def make_sampling_metadata(
       num_rows: S_pad, the bucketed row count (>= len(rows)).
       max_model_len: width of the token history; prompt+output of a penalised row must fit.
       vocab_size: V of the allowed-token bitmask [S, ceil(V/32)] (all ones except the
-        rows whose `grammar` fills theirs); None: a [S, 0] bitmask (no grammar rows).
+        rows that bring theirs in `allowed`); None: a [S, 0] bitmask (no grammar rows).
 
     Returns:
       SamplingMetadata with NumPy leaves of the shapes documented on the class.
@@ -130,8 +130,7 @@ def make_sampling_metadata(
       ValueError: len(rows) > num_rows, a seed outside [0, 2**64), a negative output_pos,
         more than MAX_EOS_TOKEN_IDS eos ids, more than MAX_LOGIT_BIAS logit_bias entries,
         a penalised row whose history exceeds max_model_len, or a grammar row without
-        vocab_size.
-      structured_output.GrammarDeadEnd: a grammar row with no allowed token.
+        vocab_size (or whose bitmask row is not ceil(vocab_size/32) words).
     """
     if len(rows) > num_rows:
         raise ValueError(f"len(rows)={len(rows)} exceeds num_rows={num_rows}")
@@ -176,11 +175,11 @@ def make_sampling_metadata(
         rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         _fill_token_lists(i, row, max_model_len, history, prompt_lens, suppress, bias_ids,
                           bias_values)
-        if row.grammar is not None:
+        if row.allowed is not None:
             if vocab_size is None:
-                raise ValueError(f"rows[{i}] has a grammar but make_sampling_metadata got no "
-                                 "vocab_size for the bitmask")
-            row.grammar.fill_bitmask(bitmask[i])
+                raise ValueError(f"rows[{i}] has a grammar bitmask but make_sampling_metadata "
+                                 "got no vocab_size for it")
+            bitmask[i] = row.allowed
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng_key=rng_key,
         output_pos=output_pos, repetition_penalty=rep, presence_penalty=pres,

@@ -2,11 +2,21 @@
 
 `Scheduler.schedule()` returns one `SchedulerOutput`; the runner's
 `jaxserve.worker.input_batch.build_batch` turns it into the padded NumPy arrays of the step.
+The plan is all the runner reads (vLLM V1's `SchedulerOutput`): the rows, the
+requests the runner has not seen since they (re)started (`NewRequestData`, whose
+state the runner keeps and extends with the tokens it samples), and the grammar
+bitmask of the structured-output rows (`GrammarOutput`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from jaxserve.sampling_params import SamplingParams
 
 
 _new = object.__new__
@@ -59,6 +69,60 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the runner has not seen since it (re)started running (vLLM's
+    `NewRequestData`): sent once, in the first plan that schedules it after admission
+    or after a preemption; the runner keeps it until the request finishes or is
+    preempted, and appends each token it samples for it.
+
+    Fields:
+      request_id: the request.
+      prompt_token_ids: the prompt (the request's own immutable tuple).
+      sampling_params: how to sample.
+      seed: the resolved seed (`Request.seed`).
+      eos_token_ids: the model's EOS ids (min_tokens suppresses them).
+      logprob_start: first prompt index to score, or None (`Request.logprob_start`).
+      output_token_ids: the outputs so far: empty for a new request, the kept
+        outputs for one resumed after a preemption (it recomputes them).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: "SamplingParams"
+    seed: int
+    eos_token_ids: tuple[int, ...]
+    logprob_start: int | None
+    output_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_request(cls, req: Any) -> "NewRequestData":
+        """The data of a `jaxserve.scheduler.request.Request` (its outputs copied)."""
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.seed,
+                   req.eos_token_ids, req.logprob_start, tuple(req.output_token_ids))
+
+
+@dataclass(frozen=True)
+class GrammarOutput:
+    """The allowed-token bitmask of a step's structured-output rows (vLLM's
+    `GrammarOutput`), filled from each request's grammar matcher when the plan is made.
+
+    Fields:
+      request_ids: the rows that sample under a grammar, in plan order.
+      bitmask: i32[len(request_ids), ceil(V/32)]; bit t of row i set = token t allowed.
+      errors: request_id -> message for a row whose grammar allows no token (or whose
+        matcher failed); the runner fails that row alone.
+    """
+
+    request_ids: tuple[str, ...]
+    bitmask: np.ndarray
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def rows(self) -> dict[str, np.ndarray]:
+        """request_id -> its bitmask row i32[ceil(V/32)]."""
+        return dict(zip(self.request_ids, self.bitmask))
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """One step's plan.
 
@@ -70,6 +134,9 @@ class SchedulerOutput:
       preempted_ids: requests preempted by this schedule() (their KV freed).
       finished_ids: requests finished or aborted since the previous schedule().
       step: a counter, one per schedule() call.
+      scheduled_new_reqs: the data of every scheduled request the runner has not
+        seen since it (re)started (`NewRequestData`).
+      grammar: the bitmask of the rows sampling under a grammar, or None.
 
     An output with no rows is possible (e.g. right after a preemption); the
     runner then runs nothing.
@@ -82,6 +149,8 @@ class SchedulerOutput:
     preempted_ids: tuple[str, ...]
     finished_ids: tuple[str, ...]
     step: int
+    scheduled_new_reqs: tuple[NewRequestData, ...] = ()
+    grammar: GrammarOutput | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -90,3 +159,47 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def make_grammar_output(rows: list[tuple[str, Any]]) -> GrammarOutput | None:
+    """The bitmask of `rows`, (request_id, `GrammarMatcher`) pairs of the rows that
+    sample under a grammar in plan order; None when there are none. A matcher whose
+    `fill_bitmask` raises (`GrammarDeadEnd`: no token allowed) leaves its row all
+    zero and its message in `errors`, so that row alone fails."""
+    if not rows:
+        return None
+    bitmask = np.zeros((len(rows), rows[0][1].bitmask_words), np.int32)
+    errors: dict[str, str] = {}
+    for i, (rid, matcher) in enumerate(rows):
+        try:
+            matcher.fill_bitmask(bitmask[i])
+        except Exception as e:  # this row fails alone, in the runner
+            errors[rid] = f"{type(e).__name__}: {e}"
+    return GrammarOutput(tuple(rid for rid, _ in rows), bitmask, errors)
+
+
+def align_sampled(out: SchedulerOutput, sampled_token_ids: Mapping[str, int] | Sequence[int],
+                  live: Mapping[str, Any]) -> Sequence[int | None]:
+    """The sampled token of each row of `out`, aligned with its rows: from a mapping
+    request_id -> token (rows with sample=False, or whose request is no longer in
+    `live`, get None) or a sequence already indexed by row.
+
+    Raises:
+      ValueError: a live sampling row without a token, or a sequence shorter than the rows.
+    """
+    rows = out.scheduled
+    if not isinstance(sampled_token_ids, Mapping):
+        if len(sampled_token_ids) < len(rows):
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(rows)} rows")
+        return sampled_token_ids
+    toks: list[int | None] = []
+    for i, sr in enumerate(rows):
+        tok = None
+        if sr.sample and sr.request_id in live:
+            try:
+                tok = sampled_token_ids[sr.request_id]
+            except KeyError:
+                raise ValueError(f"no sampled token for request {sr.request_id!r} "
+                                 f"(row {i}, sample=True)") from None
+        toks.append(tok)
+    return toks

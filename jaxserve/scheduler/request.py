@@ -183,3 +183,35 @@ class Request:
         return (f"Request({self.request_id!r}, status={self.status.name}, "
                 f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+def resolve_max_tokens(request: Request, max_model_len: int, block_size: int,
+                       usable_blocks: int) -> int:
+    """A new request's effective max_tokens, as vLLM resolves it: None becomes
+    `max_model_len - num_prompt_tokens`; a larger value is clamped to it.
+
+    Raises:
+      ValueError: an empty prompt, a prompt of >= max_model_len tokens (no position
+        left for an output), max_tokens < 1, or prompt + max_tokens needing more KV
+        blocks of `block_size` tokens than the pool's `usable_blocks` (it could never run).
+    """
+    rid = request.request_id
+    P, M, B = request.num_prompt_tokens, max_model_len, block_size
+    if P == 0:
+        raise ValueError(f"request {rid!r}: the prompt is empty (0 tokens); at least 1 is needed")
+    if P >= M:
+        raise ValueError(f"request {rid!r}: prompt length {P} must be < max_model_len={M} "
+                         "(one position is needed for the first output token)")
+    mt = request.max_tokens
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
+        raise ValueError(f"request {rid!r}: max_tokens={mt!r} must be an int >= 1")
+    mt = M - P if mt is None else min(mt, M - P)
+    # The last output token is never fed back, so positions 0 .. P + mt - 2 hold KV.
+    need = -(-(P + mt - 1) // B)
+    usable = usable_blocks
+    if need > usable:
+        raise ValueError(
+            f"request {rid!r}: prompt {P} + max_tokens {mt} needs {need} KV blocks of "
+            f"{B} tokens, but the pool has {usable} usable blocks (num_kv_blocks="
+            f"{usable + 1} incl. the null block); lower max_tokens or raise num_kv_blocks")
+    return mt

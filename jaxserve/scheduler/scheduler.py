@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from jaxserve.config import CacheConfig, SchedulerConfig, max_blocks_per_seq
-from jaxserve.scheduler.request import Request, RequestStatus
+from jaxserve.scheduler.request import Request, RequestStatus, resolve_max_tokens
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.kv_cache_manager import KVCacheManager
-from jaxserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from jaxserve.scheduler.output import (NewRequestData, ScheduledRequest, SchedulerOutput,
+                                       align_sampled, make_grammar_output)
 from jaxserve.scheduler.request_queue import FCFSQueue, PriorityQueue
 
 _RUNNING = RequestStatus.RUNNING
@@ -83,6 +84,7 @@ class Scheduler:
         self._order: dict[str, int] = {}  # request_id -> add order (tie-break)
         self._finished_ids: list[str] = []
         self._force_preempt: list[str] = []
+        self._unsent: set[str] = set()  # running, its NewRequestData not yet in a plan
         self._pending_out: SchedulerOutput | None = None
         self._step = 0
 
@@ -126,24 +128,8 @@ class Scheduler:
         if request.status != RequestStatus.WAITING or request.output_token_ids:
             raise ValueError(f"request {rid!r} is not new (status {request.status.name}, "
                              f"{request.num_output_tokens} outputs)")
-        P, M, B = request.num_prompt_tokens, self.config.max_model_len, self.block_size
-        if P == 0:
-            raise ValueError(f"request {rid!r}: the prompt is empty (0 tokens); at least 1 is needed")
-        if P >= M:
-            raise ValueError(f"request {rid!r}: prompt length {P} must be < max_model_len={M} "
-                             "(one position is needed for the first output token)")
-        mt = request.max_tokens
-        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
-            raise ValueError(f"request {rid!r}: max_tokens={mt!r} must be an int >= 1")
-        mt = M - P if mt is None else min(mt, M - P)
-        # The last output token is never fed back, so positions 0 .. P + mt - 2 hold KV.
-        need = -(-(P + mt - 1) // B)
-        usable = self.kv_cache_manager.num_blocks
-        if need > usable:
-            raise ValueError(
-                f"request {rid!r}: prompt {P} + max_tokens {mt} needs {need} KV blocks of "
-                f"{B} tokens, but the pool has {usable} usable blocks (num_kv_blocks="
-                f"{usable + 1} incl. the null block); lower max_tokens or raise num_kv_blocks")
+        mt = resolve_max_tokens(request, self.config.max_model_len, self.block_size,
+                                self.kv_cache_manager.num_blocks)
         request.max_tokens = mt
         self.requests[rid] = request
         self._order[rid] = next(self._seq)
@@ -314,6 +300,7 @@ class Scheduler:
 
     def _set_running(self, req: Request) -> None:
         req.status = _RUNNING
+        self._unsent.add(req.request_id)
         if self.config.policy == "priority":
             bisect.insort(self.running, req, key=self._priority_key)
         else:
@@ -337,19 +324,25 @@ class Scheduler:
         total = 0
         block_ids = self.kv_cache_manager.get_block_ids
         make = ScheduledRequest.make
+        new, unsent, grammar = [], self._unsent, []
         for rid, (req, n) in scheduled.items():
+            if rid in unsent:
+                unsent.discard(rid)
+                new.append(NewRequestData.from_request(req))
             c = req.num_computed_tokens
             end = c + n
             toks = req.all_token_ids
             ids = (toks[c],) if n == 1 else tuple(toks[c:end])
-            rows.append(make(rid, ids, c, block_ids(rid), end == len(toks),
-                             len(req.output_token_ids)))
+            sample = end == len(toks)
+            rows.append(make(rid, ids, c, block_ids(rid), sample, len(req.output_token_ids)))
+            if sample and req.grammar is not None:
+                grammar.append((rid, req.grammar))
             req.num_computed_tokens = end
             total += n
         t_pad, s_pad = self.bucket_policy.record(total, len(rows)) if rows else (0, 0)
         out = SchedulerOutput(tuple(rows), total, t_pad, s_pad,
                               tuple(r.request_id for r in preempted), tuple(self._finished_ids),
-                              self._step)
+                              self._step, tuple(new), make_grammar_output(grammar))
         self._finished_ids = []
         self._pending_out = out if rows else None
         return out
@@ -380,21 +373,7 @@ class Scheduler:
                              "plan (already applied, or not the latest schedule())")
         rows = out.scheduled
         reqs = self.requests
-        if isinstance(sampled_token_ids, Mapping):
-            toks = []  # aligned with rows; validated before any state changes
-            for i, sr in enumerate(rows):
-                tok = None
-                if sr.sample and sr.request_id in reqs:
-                    try:
-                        tok = sampled_token_ids[sr.request_id]
-                    except KeyError:
-                        raise ValueError(f"no sampled token for request {sr.request_id!r} "
-                                         f"(row {i}, sample=True)") from None
-                toks.append(tok)
-        else:
-            toks = sampled_token_ids
-            if len(toks) < len(rows):
-                raise ValueError(f"{len(toks)} sampled tokens for {len(rows)} rows")
+        toks = align_sampled(out, sampled_token_ids, reqs)  # validated before any change
         self._pending_out = None
         kv = self.kv_cache_manager
         commit = kv.commit if kv.enable_prefix_caching else None
@@ -425,6 +404,7 @@ class Scheduler:
         rid = req.request_id
         del self.requests[rid]
         self._order.pop(rid, None)
+        self._unsent.discard(rid)
         self._finished_ids.append(rid)
 
     def finish_requests(self, request_ids: str | Iterable[str],
@@ -475,6 +455,28 @@ class Scheduler:
         self.kv_cache_manager.reset_prefix_cache()
         return failed
 
+    def retract_running(self) -> list[str]:
+        """Preempt every running request by recompute now, KV freed, order kept at the
+        queue's front (SGLang's "retract"); returns their ids."""
+        ids = []
+        for req in reversed(list(self.running)):  # push_front: keep their order
+            self.running.remove(req)
+            self._preempt(req)
+            ids.append(req.request_id)
+        return ids[::-1]
+
+    def set_aside_waiting(self) -> Any:
+        """Take the waiting queue out (an empty one replaces it) until `restore_waiting`."""
+        held, self.waiting = self.waiting, type(self.waiting)()
+        return held
+
+    def restore_waiting(self, held: Any) -> None:
+        """Put a `set_aside_waiting` queue back; what waits now (preempted) goes first."""
+        first = [self.waiting.pop() for _ in range(len(self.waiting))]
+        for req in reversed(first):
+            held.push_front(req)
+        self.waiting = held
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block no request holds; returns how many."""
         return self.kv_cache_manager.reset_prefix_cache()
@@ -487,12 +489,9 @@ class Scheduler:
         return bool(self.finish_requests((request_id,), RequestStatus.FINISHED_ABORTED))
 
     def preempt(self, request_id: str) -> bool:
-        """Test hook (cases C05): preempt a running request at the next schedule().
-
-        That step then admits nobody, so the request resumes (recomputing
-        prompt + outputs) at the step after. Returns False when the request
-        is not running now (it may still be preempted if it runs by then).
-        """
+        """Test hook (cases C05): preempt a running request at the next schedule(), which
+        then admits nobody, so it resumes (recomputing prompt + outputs) the step after.
+        Returns False when it is not running now (it may still be preempted then)."""
         req = self.requests.get(request_id)
         if req is None:
             raise ValueError(f"preempt: unknown or finished request_id={request_id!r}")

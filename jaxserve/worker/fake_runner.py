@@ -24,20 +24,22 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from jaxserve.config import max_blocks_per_seq
-from jaxserve.worker.input_batch import BatchArrays, build_batch
+from jaxserve.worker.input_batch import BatchArrays, CachedRequestState, RequestStates, build_batch
 from jaxserve.scheduler.request import Request, RequestStatus
 from jaxserve.worker.runner import RowError, RowResult, RunnerStats, SampledToken
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.scheduler.scheduler import Scheduler
-from jaxserve.structured_output import GrammarDeadEnd
 from jaxserve.worker.scoring import fake_scores, merge_scores, scoring_plan
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
 
-TokenFn = Callable[[Request, int], "int | SampledToken"]
-RequestPredicate = Callable[[Request], bool]
+# The hooks see the runner's copy of a request (`CachedRequestState`: request_id,
+# prompt_token_ids, output_token_ids, all_token_ids, sampling_params, seed,
+# num_prompt_tokens, num_output_tokens, num_computed_tokens after the plan).
+TokenFn = Callable[[CachedRequestState, int], "int | SampledToken"]
+RequestPredicate = Callable[[CachedRequestState], bool]
 
 
 def default_token(request_id: str, output_pos: int, *, vocab_size: int = 1000, low: int = 3) -> int:
@@ -52,7 +54,7 @@ def default_token(request_id: str, output_pos: int, *, vocab_size: int = 1000, l
 
 def scripted(script: Mapping[str, Sequence[int]], fallback: TokenFn | None = None) -> TokenFn:
     """Token function that emits script[request_id][output_pos] (fallback past the end)."""
-    def fn(req: Request, pos: int) -> int | SampledToken:
+    def fn(req: CachedRequestState, pos: int) -> int | SampledToken:
         s = script.get(req.request_id)
         if s is not None and pos < len(s):
             return s[pos]
@@ -76,7 +78,7 @@ def counting_token(vocab_size: int, max_logprobs: int) -> TokenFn:
     """
     j = np.arange(1, max_logprobs + 1)
 
-    def fn(req: Request, pos: int) -> SampledToken:
+    def fn(req: CachedRequestState, pos: int) -> SampledToken:
         last = req.all_token_ids[req.num_prompt_tokens + pos - 1]
         s = 1 if req.sampling_params.is_greedy else 2 + req.seed % 5
         return SampledToken(token_id=(last + s) % vocab_size, logprob=-0.1 * s,
@@ -114,7 +116,11 @@ class FakeRunner:
       check_invariants: check the scheduler's bookkeeping after every
         schedule() and update (slow; for tests).
       on_step: callback(StepResult) after every `step()`.
-      step_delay: seconds each `execute` sleeps, standing in for device time.
+      step_delay: D, the seconds of a simulated device step. The device is a FIFO
+        queue: a step starts at max(its dispatch, the end of the step before) and ends
+        D later; `execute` then waits for its end without using the CPU (sleeps).
+        `device_busy_s` sums D over the steps run; `device_wait_s` the time `execute`
+        spent waiting for it (more than D when the OS wakes the sleeper late).
       fail_step: a predicate; `execute` raises RuntimeError when a row's request
         matches (fault injection: a failed device step).
       fail_row: a predicate; a matching row gets a RowError (a failed row).
@@ -161,6 +167,9 @@ class FakeRunner:
         self.last_batch: BatchArrays | None = None
         self.finished: dict[str, Request] = {}
         self.clock = 0.0
+        self.requests = RequestStates()  # the running requests, from the plans
+        self.device_busy_s = self.device_wait_s = 0.0
+        self._device_free_at = 0.0  # time.perf_counter() when the simulated device is idle
         self._stats = RunnerStats()
 
     @classmethod
@@ -186,53 +195,69 @@ class FakeRunner:
             self._stats.programs_ready = self._stats.warmup_programs
         self._stats.warmup_done = True
 
-    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, RowResult]:
+    def execute(self, out: SchedulerOutput) -> dict[str, RowResult]:
         """Scripted tokens for the plan's sampling rows (see `jaxserve.worker.runner.Runner`).
 
         Raises:
           RuntimeError: a row's request matches `fail_step`.
           ValueError: the plan does not fit its bucket or block table (from build_batch).
         """
+        states, missing = self.requests.update(out)
         if not out.scheduled:
             return {}
         if self.build_batches:
             self.last_batch = build_batch(out, block_size=self.block_size,
                                           max_blocks_per_seq=self.max_blocks_per_seq)
-        results: dict[str, RowResult] = {}
-        for sr in out.scheduled:
-            req = requests[sr.request_id]
+        results: dict[str, RowResult] = {rid: RowError(m) for rid, m in missing.items()}
+        grammar = out.grammar
+        masks = grammar.rows() if grammar is not None else {}
+        for sr, req in zip(out.scheduled, states):
+            if req is None:
+                continue
             if self.fail_step is not None and self.fail_step(req):
                 raise RuntimeError(f"scripted step failure caused by {sr.request_id}")
             if self.fail_row is not None and self.fail_row(req):
                 results[sr.request_id] = RowError("scripted request failure")
+            elif grammar is not None and sr.request_id in grammar.errors:
+                results[sr.request_id] = RowError(grammar.errors[sr.request_id])
             elif sr.sample:
-                try:
-                    results[sr.request_id] = self._token(req, sr.output_pos)
-                except GrammarDeadEnd as e:  # this row alone fails, as in ModelRunner
-                    results[sr.request_id] = RowError(f"{type(e).__name__}: {e}")
-        plan = scoring_plan(out, requests)
+                results[sr.request_id] = self._token(req, sr.output_pos, masks.get(sr.request_id))
+        plan = scoring_plan(out, self.requests)
         if plan is not None:
             merge_scores(results, fake_scores(plan, vocab_size=self.vocab_size or 1000,
                                               max_logprobs=self.max_logprobs))
         if self.step_delay:
-            time.sleep(self.step_delay)
+            self._device_step()
         self._stats.record_step(out.token_bucket, out.seq_bucket)
+        self.requests.record(out.scheduled, results)
         return results
 
-    def _token(self, req: Request, pos: int) -> SampledToken:
+    def _device_step(self) -> None:
+        """Dispatch one step to the simulated FIFO device and wait for its end."""
+        start = max(time.perf_counter(), self._device_free_at)
+        self._device_free_at = end = start + self.step_delay
+        self.device_busy_s += self.step_delay
+        now = time.perf_counter()
+        if end - now > 3e-4:  # sleep most of it; yield through the rest (timer slack)
+            time.sleep(end - now - 2e-4)
+        while time.perf_counter() < end:
+            time.sleep(0)
+        self.device_wait_s += time.perf_counter() - now
+
+    def _token(self, req: CachedRequestState, pos: int, allowed: np.ndarray | None
+               ) -> SampledToken:
         t = self.token_fn(req, pos)
-        if req.grammar is not None and self.vocab_size:
-            t = self._obey_grammar(req, t)
+        if allowed is not None and self.vocab_size:
+            t = self._obey_grammar(allowed, t)
         if isinstance(t, SampledToken):
             return t
         t = int(t)
         return SampledToken(t, 0.0, np.full(self.max_logprobs, t, np.int32),
                             np.zeros(self.max_logprobs, np.float32))
 
-    def _obey_grammar(self, req: Request, t: "int | SampledToken") -> "int | SampledToken":
+    def _obey_grammar(self, row: np.ndarray, t: "int | SampledToken") -> "int | SampledToken":
+        """The scripted token if the bitmask `row` allows it, else the next allowed id."""
         V = self.vocab_size
-        row = np.zeros((V + 31) // 32, np.int32)
-        req.grammar.fill_bitmask(row)  # GrammarDeadEnd when nothing is allowed
         allowed = np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:V])[0]
         tid = t.token_id if isinstance(t, SampledToken) else int(t)
         if tid in allowed:
@@ -263,7 +288,7 @@ class FakeRunner:
         out = s.schedule(self.token_cap)
         if self.check:
             check_invariants(s)
-        results = self.execute(out, s.requests)
+        results = self.execute(out)
         errors = [rid for rid, r in results.items() if isinstance(r, RowError)]
         finished = s.finish_requests(errors, RequestStatus.FINISHED_ERROR) if errors else []
         sampled = {rid: r.token_id for rid, r in results.items() if isinstance(r, SampledToken)}

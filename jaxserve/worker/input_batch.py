@@ -1,4 +1,10 @@
-"""Runner side: flatten a `SchedulerOutput` into the step's padded NumPy arrays.
+"""Runner side: the requests the runner keeps, and a `SchedulerOutput` flattened
+into the step's padded NumPy arrays.
+
+`RequestStates` is the runner's own copy of each running request (vLLM's
+`CachedRequestState`): filled from the plan's `NewRequestData`, extended with the
+tokens the runner samples, dropped when the plan reports the request finished or
+preempted. So `execute(plan)` reads the plan and nothing of the scheduler's.
 
 The scheduler hands over a plan (`jaxserve.scheduler.output`); laying it out
 on the device's axes is the runner's job. All rows' tokens are concatenated on
@@ -27,7 +33,93 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.scheduler.output import SchedulerOutput
+from jaxserve.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from jaxserve.worker.runner import SampledToken
+
+
+class CachedRequestState:
+    """The runner's copy of one running request (vLLM's `CachedRequestState`).
+
+    Attributes:
+      request_id, prompt_token_ids (tuple), sampling_params, seed, eos_token_ids,
+      logprob_start: as in the plan's `NewRequestData`.
+      output_token_ids: list of the outputs so far (the kept ones, then each token
+        the runner sampled); all_token_ids: prompt then outputs.
+      num_computed_tokens: the row's KV length after the current plan (`end_pos`).
+    """
+
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "seed",
+                 "eos_token_ids", "logprob_start", "output_token_ids", "all_token_ids",
+                 "num_computed_tokens")
+
+    def __init__(self, new: NewRequestData):
+        self.request_id, self.prompt_token_ids = new.request_id, new.prompt_token_ids
+        self.sampling_params, self.seed = new.sampling_params, new.seed
+        self.eos_token_ids, self.logprob_start = new.eos_token_ids, new.logprob_start
+        self.output_token_ids = list(new.output_token_ids)
+        self.all_token_ids = list(new.prompt_token_ids) + self.output_token_ids
+        self.num_computed_tokens = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def truncate(self, num_outputs: int) -> None:
+        """Drop outputs past `num_outputs` (the engine did not keep them)."""
+        del self.output_token_ids[num_outputs:]
+        del self.all_token_ids[self.num_prompt_tokens + num_outputs:]
+
+
+class RequestStates(dict):
+    """request_id -> `CachedRequestState` of every request the runner has running."""
+
+    def update(self, out: SchedulerOutput) -> tuple[list[CachedRequestState | None], dict[str, str]]:
+        """Apply a plan: drop its finished and preempted requests, add its new ones; return
+        each row's state (in plan order; None for a row that has none) and
+        request_id -> message for the rows the runner cannot serve (no state, or fewer
+        outputs than the plan's `output_pos`). A state with more outputs than
+        `output_pos` is cut back to it (tokens the engine did not keep)."""
+        for rid in out.finished_ids:
+            self.pop(rid, None)
+        for rid in out.preempted_ids:
+            self.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self[new.request_id] = CachedRequestState(new)
+        rows: list[CachedRequestState | None] = []
+        errors: dict[str, str] = {}
+        for sr in out.scheduled:
+            st = self.get(sr.request_id)
+            if st is not None and len(st.output_token_ids) != sr.output_pos:
+                if len(st.output_token_ids) > sr.output_pos:
+                    st.truncate(sr.output_pos)
+                else:
+                    errors[sr.request_id] = (f"the runner holds {len(st.output_token_ids)} "
+                                             f"outputs of {sr.request_id!r}, the plan "
+                                             f"{sr.output_pos}")
+                    st = None
+            elif st is None:
+                errors[sr.request_id] = (f"request {sr.request_id!r} is not among the runner's "
+                                         "requests (no NewRequestData in any plan)")
+            if st is not None:
+                st.num_computed_tokens = sr.end_pos
+            rows.append(st)
+        return rows, errors
+
+    def record(self, rows: tuple[ScheduledRequest, ...], sampled: dict) -> None:
+        """Append each sampling row's token (`sampled`: request_id -> SampledToken)."""
+        for sr in rows:
+            t = sampled.get(sr.request_id) if sr.sample else None
+            st = self.get(sr.request_id)
+            if st is not None and isinstance(t, SampledToken):
+                st.append(t.token_id)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,10 +48,9 @@ from jaxserve.model.llama import prepare_params
 from jaxserve.sample.metadata import SamplingMetadata, SamplingRow, make_sampling_metadata
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
-from jaxserve.scheduler.request import Request
 from jaxserve.worker.compile import CacheHits, ProgramKey, ProgramTable, aot_compile
 from jaxserve.worker.executable_cache import ExecutableCache, program_key_parts
-from jaxserve.worker.input_batch import build_batch
+from jaxserve.worker.input_batch import CachedRequestState, RequestStates, build_batch
 from jaxserve.worker.kv_cache import describe_capacity, resolve_num_kv_blocks
 from jaxserve.worker.layer_stack import LayerStackProgram, embed_fn, final_fn, layers_fn
 from jaxserve.worker.programs import StepBatch, _head_fn, _score_fn, _spec, _stack_fn
@@ -110,6 +109,7 @@ class ModelRunner:
         # Multi-host: called with (T_pad, S_pad, host batch) before each device step
         # (`jaxserve.distributed.multihost.Leader.send_step` broadcasts it to the followers).
         self.step_listener = step_listener
+        self.requests = RequestStates()  # the running requests, from the plans
         self.block_size = config.cache.block_size
         self.num_kv_blocks = resolve_num_kv_blocks(config)
         logger.info(describe_capacity(config, self.num_kv_blocks))
@@ -259,9 +259,10 @@ class ModelRunner:
         return self._stats
 
     # -------------------------------------------------------- host-side arrays
-    def _host_batch(self, out: SchedulerOutput, requests: Mapping[str, Request]
+    def _host_batch(self, out: SchedulerOutput, rows: list[CachedRequestState | None]
                     ) -> tuple[StepBatch, dict[str, RowError]]:
-        """The step's host arrays, and the rows whose own host work failed.
+        """The step's host arrays, and the rows whose own host work failed (`rows`: each
+        plan row's state, None for a row already failed).
 
         The token layout and attention metadata use the largest seq bucket (the
         layer stack's programs exist per T_pad only); only the sampling rows use S_pad.
@@ -272,32 +273,34 @@ class ModelRunner:
                                          query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
                                          block_table=b.block_table, num_seqs=b.num_seqs)
         attn_md = self.backend.prepare(common)
-        sampling, errors = self._sampling_metadata(out, requests)
+        sampling, errors = self._sampling_metadata(out, rows)
         return StepBatch(input_ids=b.input_ids, positions=b.positions, attn_md=attn_md,
                          logits_indices=b.logits_indices, sampling=sampling), errors
 
-    def _sampling_metadata(self, out: SchedulerOutput, requests: Mapping[str, Request]
+    def _sampling_metadata(self, out: SchedulerOutput, states: list[CachedRequestState | None]
                            ) -> tuple[SamplingMetadata, dict[str, RowError]]:
-        """Sampling arrays for the plan's rows; a row that cannot be written fails alone.
+        """Sampling arrays for the plan's rows; a row that cannot be written fails alone
+        (as does a row whose grammar allows nothing: `out.grammar.errors`).
 
         The whole batch is built in one call; only when that raises is each
         row tried by itself, and the failing ones become padding rows.
         """
         M, V = self.config.scheduler.max_model_len, self.cfg.vocab_size
+        masks = out.grammar.rows() if out.grammar is not None else {}
+        errors = {rid: RowError(msg) for rid, msg in
+                  (out.grammar.errors.items() if out.grammar is not None else ())}
         rows: list[SamplingRow | None] = []
-        for sr in out.scheduled:
-            r = requests[sr.request_id]
-            rows.append(SamplingRow(params=r.sampling_params, seed=r.seed, output_pos=sr.output_pos,
-                                    prompt_token_ids=r.prompt_token_ids,
-                                    output_token_ids=r.output_token_ids,
-                                    eos_token_ids=r.eos_token_ids,
-                                    grammar=r.grammar if sr.sample else None))  # fills its bitmask
+        for sr, r in zip(out.scheduled, states):
+            rows.append(None if r is None or sr.request_id in errors else SamplingRow(
+                params=r.sampling_params, seed=r.seed, output_pos=sr.output_pos,
+                prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
+                eos_token_ids=r.eos_token_ids,
+                allowed=masks.get(sr.request_id) if sr.sample else None))
         try:
             return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M,
-                                          vocab_size=V), {}
+                                          vocab_size=V), errors
         except Exception:  # find the rows at fault; the rest of the batch goes on
             pass
-        errors: dict[str, RowError] = {}
         for i, sr in enumerate(out.scheduled):
             try:
                 make_sampling_metadata([rows[i]], num_rows=1, max_model_len=M, vocab_size=V)
@@ -307,7 +310,7 @@ class ModelRunner:
         return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M,
                                       vocab_size=V), errors
 
-    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, RowResult]:
+    def execute(self, out: SchedulerOutput) -> dict[str, RowResult]:
         """Run one step (see `jaxserve.worker.runner.Runner.execute`).
 
         Raises:
@@ -315,13 +318,15 @@ class ModelRunner:
           RuntimeError: with `strict_compiles`, a shape warm-up did not build.
           Any device error of the step (the caller then calls `reset()`).
         """
+        states, missing = self.requests.update(out)
         if not out.scheduled:
             return {}
-        host, errors = self._host_batch(out, requests)
-        results: dict[str, RowResult] = dict(errors)
-        if len(errors) == len(out.scheduled):
+        host, errors = self._host_batch(out, states)
+        results: dict[str, RowResult] = {rid: RowError(m) for rid, m in missing.items()}
+        results.update(errors)
+        if len(results) == len(out.scheduled):
             return results  # nothing left to compute
-        plan = scoring_plan(out, requests)
+        plan = scoring_plan(out, self.requests)
         if plan is not None and not self.score_enabled:
             for rid, *_ in plan.spans:
                 results.setdefault(rid, RowError("prompt logprobs need an engine started with "
@@ -341,6 +346,7 @@ class ModelRunner:
                                                       top_lps[i])
         if plan is not None:
             merge_scores(results, split_scores(plan, *scored))
+        self.requests.record(out.scheduled, results)
         return results
 
     def run_host_batch(self, host: StepBatch, t_pad: int, s_pad: int, *,
@@ -367,7 +373,7 @@ class ModelRunner:
         structure (warm-up lowers on it; multi-host sizes and decodes its broadcast by it)."""
         empty = SchedulerOutput(scheduled=(), num_scheduled_tokens=0, token_bucket=t_pad,
                                 seq_bucket=s_pad, preempted_ids=(), finished_ids=(), step=-1)
-        return self._host_batch(empty, {})[0]
+        return self._host_batch(empty, [])[0]
 
     def _example_args(self, key: tuple[str, int]) -> tuple[Any, tuple]:
         """(jitted function, example arguments as specs / padding host arrays) of a program."""

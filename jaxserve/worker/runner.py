@@ -11,12 +11,11 @@ fake stays usable where jax must not be loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Protocol, Union
+from typing import TYPE_CHECKING, Protocol, Union
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxserve.scheduler.request import Request
     from jaxserve.scheduler.output import SchedulerOutput
 
 
@@ -118,12 +117,15 @@ class Runner(Protocol):
     def warmup(self, *, progress: bool = True) -> None:
         """Make every program the bucket policy can request ready (compile or load)."""
 
-    def execute(self, out: "SchedulerOutput",
-                requests: Mapping[str, "Request"]) -> dict[str, RowResult]:
-        """Run one plan.
+    def execute(self, out: "SchedulerOutput") -> dict[str, RowResult]:
+        """Run one plan; the plan is all the runner reads of the scheduler.
 
         Args:
-          out: the scheduler's plan; requests: request_id -> Request for its rows.
+          out: the scheduler's plan. The runner keeps its own copy of each running
+            request (`jaxserve.worker.input_batch.RequestStates`): added from
+            `out.scheduled_new_reqs`, extended with the tokens it samples, dropped
+            with `out.finished_ids` / `out.preempted_ids`; the structured-output
+            rows' bitmask is `out.grammar`.
         Returns: request_id -> SampledToken for every row with `sample=True`
           whose host work succeeded (its `.prompt` set when the row scored
           prompt positions), request_id -> PromptLogprobs for a non-sampling row

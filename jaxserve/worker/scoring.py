@@ -25,12 +25,12 @@ from typing import Mapping
 
 import numpy as np
 
-from jaxserve.scheduler.request import Request
+from jaxserve.worker.input_batch import CachedRequestState
 from jaxserve.worker.runner import PromptLogprobs, SampledToken
 from jaxserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 
-def score_span(req: Request, sr: ScheduledRequest) -> tuple[int, int] | None:
+def score_span(req: CachedRequestState, sr: ScheduledRequest) -> tuple[int, int] | None:
     """Prompt indices [a, b) whose logprobs this row's tokens give, or None.
 
     The row computes positions [s, s + q); index j needs position j - 1, so
@@ -59,8 +59,10 @@ class ScoringPlan:
     spans: tuple[tuple[str, int, int, int], ...]
 
 
-def scoring_plan(out: SchedulerOutput, requests: Mapping[str, Request]) -> ScoringPlan | None:
-    """The step's scoring rows (None when there are none: the score program is skipped)."""
+def scoring_plan(out: SchedulerOutput, requests: Mapping[str, CachedRequestState]
+                 ) -> ScoringPlan | None:
+    """The step's scoring rows (None when there are none: the score program is skipped);
+    `requests`: the runner's `RequestStates`."""
     spans = []
     flat = 0
     for sr in out.scheduled:

@@ -103,3 +103,24 @@ def test_public_imports_keep_working():
     from jaxserve.integrations import tunix  # noqa: F401
     from jaxserve.worker.fake_runner import FakeRunner  # noqa: F401
     from jaxserve.worker.model_runner import ModelRunner  # noqa: F401
+
+
+def test_execute_takes_the_plan_alone_and_reads_no_scheduler():
+    """`execute(plan)`: one parameter, no extras; no scheduler state is read inside it
+    (the runners' own copies of the requests come from the plan)."""
+    import inspect
+    import textwrap
+
+    from jaxserve.worker.fake_runner import FakeRunner
+    from jaxserve.worker.model_runner import ModelRunner
+    from jaxserve.worker.runner import Runner
+
+    for cls in (Runner, ModelRunner, FakeRunner):
+        params = list(inspect.signature(cls.execute).parameters.values())
+        assert [p.name for p in params] == ["self", "out"], (cls, params)
+        assert params[1].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        assert params[1].default is inspect.Parameter.empty
+        names = {n.attr if isinstance(n, ast.Attribute) else n.id
+                 for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls.execute))))
+                 if isinstance(n, (ast.Attribute, ast.Name))}
+        assert not names & {"scheduler", "Scheduler", "fill_bitmask"}, (cls, names)

@@ -1,0 +1,214 @@
+"""`jaxserve bench host`: how much host time the engine spends around each device step.
+
+    jaxserve bench host                                  # 16/64/256 running, D = 1 and 2 ms
+    jaxserve bench host --rows=64 --device_ms=1 --seconds=5
+    jaxserve bench host --real --rows=16,64              # the real ModelRunner, tiny model
+
+The set-up is issue 24's: `make_engine_config(ModelConfig.smollm2_135m(),
+max_num_seqs=N, max_num_batched_tokens=max(2048, N), num_kv_blocks=128*N+1,
+block_size=16, max_model_len=2048)`, an `LLMEngine` over
+`FakeRunner.for_config(cfg, build_batches=True, step_delay=D/1000)` whose simulated
+device is a FIFO queue (step k starts at max(its dispatch, the end of step k-1) and
+ends D later; fetching waits, using no CPU), SmolLM2's real tokenizer detokenizing
+every token, N requests of one chat prompt with `max_tokens=1900`, greedy,
+`ignore_eos`. Once all N are decoding, the engine is timed over `--seconds`.
+
+Per case it prints: tokens per request per second (the goal is 1000 / D), the step
+period, host time per step and per row (the step period minus the time `step()` was blocked on the device and the time blocked on the device (its busy time plus any late wake-up of the
+fake's sleep), the device's idle fraction, and a per-phase breakdown of the host time:
+schedule, runner host work (batch layout, the fake's bookkeeping; with `--real`
+also attention and sampling metadata), update_from_output, output processing
+(incremental detokenizer, stop checks, `RequestOutput` assembly) and the rest of
+`step()`. With `--real` the device half is `ModelRunner.run_host_batch` (host to
+device copy, the programs, the fetch), timed as it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+PHASES = ("schedule", "runner_host", "update", "output", "other")
+PROMPT = "Explain in detail how a hash map handles collisions, and compare open addressing " \
+         "with separate chaining."
+
+
+@dataclass
+class PhaseClock:
+    """Seconds spent in each wrapped call (wall time, `time.perf_counter`)."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    device: float = 0.0
+
+    def wrap(self, obj: Any, name: str, phase: str) -> None:
+        """Replace `obj.name` by a wrapper that adds its wall time to `phase`."""
+        fn = getattr(obj, name)
+        clock = self.seconds
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                clock[phase] += time.perf_counter() - t0
+        setattr(obj, name, timed)
+
+    def reset(self) -> None:
+        for k in self.seconds:
+            self.seconds[k] = 0.0
+        self.device = 0.0
+
+
+@dataclass
+class HostResult:
+    """One case: N running at a device step of D ms (None: the real runner)."""
+
+    runner: str
+    rows: int
+    device_ms: float | None
+    steps: int
+    seconds: float
+    tokens_per_request_per_s: float
+    period_ms: float
+    device_ms_per_step: float
+    host_ms_per_step: float
+    host_us_per_row: float
+    device_idle: float
+    phases_ms_per_step: dict[str, float]
+
+
+def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any) -> Any:
+    from jaxserve.config import ModelConfig
+    from jaxserve.engine import LLMEngine, make_engine_config
+    from jaxserve.worker.fake_runner import FakeRunner
+
+    if real:  # the tiny model: its device step is sub-millisecond here
+        import jax
+        import numpy as np
+        from flax import nnx
+
+        from jaxserve.model.llama import Llama, canonical_params
+        cfg = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, max_position_embeddings=2048)
+        params = jax.tree.map(np.asarray, canonical_params(Llama(cfg, rngs=nnx.Rngs(0))))
+        config = make_engine_config(cfg, max_num_seqs=rows, max_num_batched_tokens=max(2048, rows),
+                                    num_kv_blocks=128 * rows + 1, block_size=16,
+                                    max_model_len=2048, attention_backend="xla")
+        return LLMEngine(config, params, tokenizer, progress=False)
+    config = make_engine_config(ModelConfig.smollm2_135m(), max_num_seqs=rows,
+                                max_num_batched_tokens=max(2048, rows),
+                                num_kv_blocks=128 * rows + 1, block_size=16, max_model_len=2048)
+    runner = FakeRunner.for_config(config, build_batches=True, step_delay=device_ms / 1000)
+    return LLMEngine(config, tokenizer=tokenizer, runner=runner)
+
+
+def _instrument(engine: Any, clock: PhaseClock) -> None:
+    clock.wrap(engine.scheduler, "schedule", "schedule")
+    clock.wrap(engine.scheduler, "update_from_output", "update")
+    for name in ("process_tokens", "collect", "process_prompt_logprobs"):
+        clock.wrap(engine.outputs, name, "output")
+    runner = engine.runner
+    if hasattr(runner, "run_host_batch"):  # the real runner: time its device half
+        inner = runner.run_host_batch
+
+        def device_half(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                clock.device += time.perf_counter() - t0
+        runner.run_host_batch = device_half
+    clock.wrap(runner, "execute", "runner_host")
+
+
+def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokenizer: Any,
+             log: Callable[[str], None] = print) -> HostResult:
+    """Time one case (see the module doc); all `rows` requests decode throughout."""
+    from jaxserve.sampling_params import SamplingParams
+
+    engine = _engine(rows, device_ms, real, tokenizer)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                           add_generation_prompt=True, tokenize=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)
+    ids = [f"r{i}" for i in range(rows)]
+    for rid in ids:
+        engine.add_request(rid, list(prompt), sp)
+    while any(engine.scheduler.get_request(r).num_output_tokens == 0 for r in ids):
+        engine.step()  # the prefills
+    clock = PhaseClock()
+    _instrument(engine, clock)
+    runner = engine.runner
+    busy0 = getattr(runner, "device_busy_s", 0.0)
+    wait0 = getattr(runner, "device_wait_s", 0.0)
+    n0 = {r: engine.scheduler.get_request(r).num_output_tokens for r in ids}
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        engine.step()
+        steps += 1
+    wall = time.perf_counter() - t0
+    live = [engine.scheduler.get_request(r) for r in ids]
+    if any(r is None for r in live):
+        raise RuntimeError("a request finished inside the timed window: lower --seconds")
+    gained = [r.num_output_tokens - n0[r.request_id] for r in live]
+    # device: its busy time; wait: the engine's time blocked on it (the fake's sleep can
+    # overrun D when the OS wakes it late: that is waiting, not host work).
+    device = clock.device if real else runner.device_busy_s - busy0
+    wait = clock.device if real else runner.device_wait_s - wait0
+    phases = dict(clock.seconds)
+    phases["runner_host"] -= wait
+    phases["other"] = max(0.0, wall - wait - sum(phases.values()))
+    for rid in ids:
+        engine.abort(rid)
+    engine.step()
+    period = wall / steps
+    host = period - wait / steps
+    res = HostResult(
+        runner="model_runner(tiny)" if real else "fake", rows=rows,
+        device_ms=None if real else device_ms, steps=steps, seconds=round(wall, 3),
+        tokens_per_request_per_s=round(sum(gained) / len(gained) / wall, 1),
+        period_ms=round(period * 1e3, 3), device_ms_per_step=round(device / steps * 1e3, 3),
+        host_ms_per_step=round(host * 1e3, 3), host_us_per_row=round(host / rows * 1e6, 1),
+        device_idle=round(1 - device / wall, 3),
+        phases_ms_per_step={k: round(v / steps * 1e3, 3) for k, v in phases.items()})
+    log(_row(res))
+    return res
+
+
+def _row(r: HostResult) -> str:
+    d = "real" if r.device_ms is None else f"{r.device_ms:g}"
+    ph = " ".join(f"{k}={v:.2f}" for k, v in r.phases_ms_per_step.items())
+    return (f"{r.runner:18s} N={r.rows:<5d} D={d:>4s} ms  tok/req/s={r.tokens_per_request_per_s:8.1f}"
+            f"  period={r.period_ms:7.2f} ms  device={r.device_ms_per_step:6.2f} ms"
+            f"  host={r.host_ms_per_step:6.2f} ms ({r.host_us_per_row:6.1f} us/row)"
+            f"  idle={r.device_idle:5.1%}  [{ph}]")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags, run every (rows, device_ms) case, print one line each; returns 0."""
+    ap = argparse.ArgumentParser(prog="jaxserve bench host", description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="16,64,256", help="running requests, comma-separated")
+    ap.add_argument("--device_ms", default="1,2", help="simulated device step D in ms")
+    ap.add_argument("--seconds", type=float, default=5.0, help="timed window per case")
+    ap.add_argument("--real", action="store_true",
+                    help="the real ModelRunner on the tiny model instead of the fake")
+    ap.add_argument("--model", default=None, help="GGUF whose tokenizer detokenizes "
+                    "(default: the default SmolLM2 file)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    a = ap.parse_args(argv)
+    from jaxserve.checkpoint.loader import load_tokenizer
+
+    tok = load_tokenizer(a.model)
+    rows = [int(x) for x in a.rows.split(",") if x]
+    dms = [None] if a.real else [float(x) for x in a.device_ms.split(",") if x]
+    import os
+    print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    results = [asdict(run_case(n, d or 0.0, seconds=a.seconds, real=a.real, tokenizer=tok,
+                               log=lambda s: print(s, flush=True)))
+               for d in dms for n in rows]
+    print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
