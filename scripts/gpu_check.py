@@ -15,7 +15,7 @@ source on PYTHONPATH, no project venv):
   4. writes one JSON (`--json`, default $OUT/gpu_check.json or ./gpu_check.json) and
      exits 1 on any mismatch (2 without a GPU).
 `--dry-run` runs the same flow at tiny shapes in the Pallas interpreters on CPU (tested
-by tests/pallas/test_gpu_check.py). `--cpu-bench` prints the CPU numbers of
+by tests/attention/test_gpu_check.py). `--cpu-bench` prints the CPU numbers of
 notes/attention.md: xla-path time per call, interpret-mode time, Triton lowering
 time, and a 30-layer scan with the stacked cache as the carry vs as xs/ys.
 """
@@ -40,7 +40,7 @@ from jaxserve.attention.pallas_mosaic import PallasMosaicBackend  # noqa: E402
 from jaxserve.attention.pallas_triton import PallasTritonBackend  # noqa: E402
 from jaxserve.attention.reference import reference_ragged_paged_attention  # noqa: E402
 from jaxserve.attention.xla import XlaBackend  # noqa: E402
-from tests.pallas.cases import random_batch  # noqa: E402
+from tests.attention.cases import random_batch  # noqa: E402
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 # The Mosaic kernel's fp32 path is bf16x3 (~2^-16 relative), see its module doc.
@@ -129,7 +129,7 @@ def check_correctness(checks, interpret: bool) -> list[dict]:
 # bits on every machine, nothing to carry: cheaper than a cut-down SmolLM2 file), with
 # head_dim 64 so that both Pallas kernels tile it; the engine settings batch two
 # sequences, chunk the 19-token prompt (16-token budget) and preempt (5 usable pages
-# for two sequences needing 7), as tests/test_engine_pallas.py does in interpret mode.
+# for two sequences needing 7), as tests/attention/test_engine_pallas.py does in interpret mode.
 ENGINE_MODEL = dict(head_dim=64, num_attention_heads=3, num_key_value_heads=1)
 ENGINE_ARGS = dict(max_model_len=64, block_size=8, num_kv_blocks=6, max_num_seqs=2,
                    max_num_batched_tokens=16, token_buckets=(16,), seq_buckets=(2,),
@@ -145,7 +145,7 @@ def engine_model(seed: int = 7, std: float = 0.3):
     top-2 logit gap along the golden tokens is `min_logit_margin` in the golden file
     (0.057), far above fp32 rounding differences between machines. std 0.3, not
     larger: at 0.5 the Mosaic kernel's bf16x3 fp32 products move logits by 3e-4,
-    past tests/test_engine_pallas.py's 1e-4.
+    past tests/attention/test_engine_pallas.py's 1e-4.
     """
     from jaxserve.config import ModelConfig
     from jaxserve.model.llama import param_shapes
@@ -286,7 +286,7 @@ def lower_plan(checks) -> bool:
     """CPU pre-flight: lower both Pallas backends for CUDA at every GPU-plan shape and dtype.
 
     The Triton lowering reads the compute capability off an abstract H200 device
-    (see tests/pallas/test_lowering.py); Mosaic's lowering needs no device.
+    (see tests/attention/test_lowering.py); Mosaic's lowering needs no device.
     """
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
     dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -394,7 +394,7 @@ def _plan(dry_run: bool) -> dict:
                     bench={"decode+chunk": _shapes(([1] * 4 + [24], [100] * 4 + [24], 32, 8),
                                                    small)},
                     interpret=True, iters=1, repeats=1, copy_bytes=1 << 20,
-                    # the Pallas engines in interpret mode: tests/test_engine_pallas.py (2 min)
+                    # the Pallas engines in interpret mode: tests/attention/test_engine_pallas.py (2 min)
                     engine_backends=("xla",))
     b = 16
     mixes = {

@@ -134,7 +134,7 @@ def test_engine_logprobs_modes_match_numpy_over_model_logits(llm_a):
     """Per-token logprobs of a seeded, filtered sample: raw = log_softmax of the model's
     logits, processed = log of the float64 renormalised top-k/top-p distribution at T."""
     from jaxserve.model.llama import reference_logits
-    from test_sampler import _log_softmax64, _ref_probs
+    from sample.test_sampler import _log_softmax64, _ref_probs
 
     llm_a.update_params(module(0))
     m = module(0)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.sample.sampler import sample
-from test_sampler import NLP, S, _log_softmax64, _logits, _md, _ref_penalties, _ref_probs, _row
+from sample.test_sampler import NLP, S, _log_softmax64, _logits, _md, _ref_penalties, _ref_probs, _row
 
 PROMPT, OUT = (1, 2, 3), (4, 5, 5)
 # (sampling kwargs) per row; rows past the list are padding (greedy).

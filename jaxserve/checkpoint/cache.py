@@ -25,7 +25,7 @@ place (a process that has it mapped keeps its pages); temporary entries of dead
 processes are removed by the next save. A damaged entry (bad or missing meta,
 a leaf file that is not NumPy's format, truncated, padded, or of another dtype or
 shape than meta.json and the config say) and a damaged hash memo are rebuilt,
-never a crash (tests/test_crash_safety.py kills the process at the fault points of
+never a crash (tests/checkpoint/test_crash_safety.py kills the process at the fault points of
 `jaxserve.testing.faults`). Not detected: a flipped byte inside a leaf's data (no checksum:
 sha256 of the 513 MiB tree would cost ~0.45 s of the start-up, crc32 ~0.3 s).
 Entries of the older orbax format (`<sha16>-<dtype>/params/`) are ignored, not

@@ -16,7 +16,7 @@ from jaxserve.attention import CommonAttentionMetadata, get_attention_backend, n
 from jaxserve.attention.pallas_triton import PallasTritonBackend
 from jaxserve.attention.reference import reference_ragged_paged_attention, reference_write_kv
 from jaxserve.attention.xla import XlaBackend
-from tests.pallas.cases import named_mixes, random_batch
+from tests.attention.cases import named_mixes, random_batch
 
 T, S, B, P, N, L = 32, 4, 16, 4, 20, 3
 H, K, D = 6, 2, 8  # the tiny model's heads

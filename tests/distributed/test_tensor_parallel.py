@@ -2,9 +2,9 @@
 
 The TP checks need `XLA_FLAGS=--xla_force_host_platform_device_count=4` before
 jax initialises, while the rest of the suite runs on one device, so they run in
-one child process per group (`tests/tp_worker.py`) and are asserted here. The
+one child process per group (`tests/distributed/tp_worker.py`) and are asserted here. The
 reference for TP = 2 and 4 is the same engine at TP = 1 (no mesh), itself pinned
-to HF transformers by tests/test_real_model.py; TP = 3 on SmolLM2 is checked
+to HF transformers by tests/model/test_real_model.py; TP = 3 on SmolLM2 is checked
 against HF's golden greedy tokens directly.
 """
 
@@ -22,14 +22,14 @@ import pytest
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import check_tensor_parallel, expand_kv_heads
 
-ROOT = Path(__file__).resolve().parents[1]
-H, K, E, F, D, L, V = 8, 2, 48, 80, 8, 2, 68  # tests/tp_worker.py's tiny model
+ROOT = Path(__file__).resolve().parents[2]
+H, K, E, F, D, L, V = 8, 2, 48, 80, 8, 2, 68  # tests/distributed/tp_worker.py's tiny model
 
 
 def run_worker(group: str, timeout: float = 900) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "tests.tp_worker", group], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "-m", "tests.distributed.tp_worker", group], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"worker {group} failed ({p.returncode}):\n{p.stderr[-4000:]}"

@@ -18,7 +18,7 @@ from jaxserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # needs the fetched SmolLM2 file (`make model`)
 
-GOLDEN = Path(__file__).parent / "fixtures" / "smollm2" / "greedy_golden.json"
+GOLDEN = Path(__file__).parents[1] / "fixtures" / "smollm2" / "greedy_golden.json"
 NEAR_TIE = 1e-3
 
 

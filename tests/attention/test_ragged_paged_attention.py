@@ -20,7 +20,7 @@ from jaxserve.attention.pallas_triton import PallasTritonBackend, choose_block_q
 from jaxserve.attention.reference import reference_ragged_paged_attention
 from jaxserve.attention.xla import XlaBackend
 from jaxserve.attention.kernels import ragged_paged_attention as rpa
-from tests.pallas.cases import named_mixes, random_batch
+from tests.attention.cases import named_mixes, random_batch
 
 T_PAD, S_PAD, B, P, N = 64, 8, 16, 8, 72
 MAX_LEN = P * B

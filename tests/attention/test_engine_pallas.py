@@ -28,7 +28,7 @@ import pytest
 
 from jaxserve.attention import CommonAttentionMetadata, get_attention_backend
 from jaxserve.model.llama import forward_paged, prepare_params
-from tests.pallas.cases import load_gpu_check
+from tests.attention.cases import load_gpu_check
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")]

@@ -20,7 +20,7 @@ from jax import lax
 
 from jaxserve.attention.pallas_mosaic import PallasMosaicBackend
 from jaxserve.attention.kernels import ragged_paged_attention_mosaic as rpm
-from tests.pallas.cases import empty_common
+from tests.attention.cases import empty_common
 
 MOSAIC_CALL = "custom_call @mosaic_gpu_v2"
 

@@ -1,6 +1,6 @@
 """The real `forward_paged` lowers for CUDA with each Pallas backend, in both layer-loop forms.
 
-tests/pallas/test_lowering.py (Triton) and test_mosaic_lowering.py (Mosaic) lower
+tests/attention/test_lowering.py (Triton) and test_mosaic_lowering.py (Mosaic) lower
 write_kv + attention in a hand-written layer loop; here the model's own forward
 (`prepare_params(unroll_layers=...)`: a list of per-layer weights unrolled in
 Python, or stacked weights under a `lax.scan` with the cache as the carry) runs
@@ -20,9 +20,9 @@ from jaxserve.config import ModelConfig
 from jaxserve.attention.pallas_mosaic import PallasMosaicBackend
 from jaxserve.attention.pallas_triton import PallasTritonBackend
 from jaxserve.model.llama import Llama, forward_paged, prepare_params
-from tests.pallas.cases import empty_common
-from tests.pallas.test_lowering import TRITON_CALL, _h200_mesh
-from tests.pallas.test_mosaic_lowering import MOSAIC_CALL
+from tests.attention.cases import empty_common
+from tests.attention.test_lowering import TRITON_CALL, _h200_mesh
+from tests.attention.test_mosaic_lowering import MOSAIC_CALL
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 L, T, S, B, P, N = 3, 64, 8, 16, 8, 32  # layers, bucket (T_pad, S_pad), page size, pages, pool

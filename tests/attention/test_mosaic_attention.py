@@ -3,7 +3,7 @@
 Runs on CPU: `plgpu.InterpretGPUParams` simulates SMEM, TMA copies, mbarriers and
 WGMMA (uninitialized SMEM reads as NaN, out-of-bounds reads raise). Every batch has
 NaN-poisoned unused KV slots and padding query rows and a permuted block table
-(tests/pallas/cases.py), so reading past a sequence's end, a wrong page, or a padded
+(tests/attention/cases.py), so reading past a sequence's end, a wrong page, or a padded
 row leaking into a real one fails the comparison. The interpreter costs ~0.3 s per
 program (tile x KV head) here, so the buckets are small and K = 1 where the KV-head
 index is not what is being tested.
@@ -20,7 +20,7 @@ from jaxserve.attention import CommonAttentionMetadata
 from jaxserve.attention.pallas_mosaic import PallasMosaicBackend
 from jaxserve.attention.reference import reference_ragged_paged_attention
 from jaxserve.attention.kernels import ragged_paged_attention_mosaic as rpm
-from tests.pallas.cases import random_batch
+from tests.attention.cases import random_batch
 
 B = 16  # tokens per page; pages_per_chunk 4 -> 64-key chunks
 TOL = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float32): 5e-5}

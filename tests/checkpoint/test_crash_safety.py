@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "tests/fixtures/tiny_gguf/tiny-f32.gguf"
 # One token bucket and one seq bucket: one program to compile per cold start.
 SERVE_ARGS = ["--max_model_len=64", "--num_kv_blocks=64", "--block_size=4", "--max_num_seqs=4",

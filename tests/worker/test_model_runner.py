@@ -1,6 +1,6 @@
 """The real `ModelRunner` behind the Runner seam: exact compile accounting (built vs
 loaded from the persistent cache) and late compiles. Per-row failure isolation on this
-runner is tested in tests/test_isolation.py."""
+runner is tested in tests/engine/test_isolation.py."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 from conftest import tiny_engine
 from jaxserve.scheduler.scheduler import MAX_STEP_RETRIES
-from test_engine import assert_idle_and_clean, cached_reference, greedy, prompt_of, run_all
+from engine.test_engine import assert_idle_and_clean, cached_reference, greedy, prompt_of, run_all
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_late_compile_is_counted_and_strict_mode_refuses():

@@ -17,7 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxserve.attention.common import CommonAttentionMetadata, host_common
 from jaxserve.attention.pallas_mosaic import mosaic_metadata
 from jaxserve.attention.kernels import ragged_paged_attention_mosaic as rpm
-from tests.pallas.test_mosaic_attention import B, MIXES, assert_matches, run_case
+from tests.attention.test_mosaic_attention import B, MIXES, assert_matches, run_case
 
 MIXED = MIXES["mixed"]
 

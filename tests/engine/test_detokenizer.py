@@ -226,7 +226,7 @@ def test_cost_per_step_is_bounded(tok):
     assert tok.decoded_ids <= 30 * len(ids)  # O(n), not O(n^2)
 
 
-GGUF = Path(__file__).resolve().parents[1] / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF = Path(__file__).resolve().parents[2] / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.mark.skipif(not GGUF.is_file(), reason="SmolLM2 GGUF not downloaded")

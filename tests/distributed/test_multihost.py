@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -37,12 +37,12 @@ def test_two_processes_tp4_same_tokens_as_tp1_and_clean_exit():
     from jaxserve.engine import LLMEngine, make_engine_config
     from tests.conftest import tiny_params
     from tests.test_tensor_parallel import assert_same_runs
-    from tests.tp_worker import PROMPTS, TINY_ENGINE, TINY_HEADS, _run
+    from tests.distributed.tp_worker import PROMPTS, TINY_ENGINE, TINY_HEADS, _run
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", str(port), str(i)],
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed.multihost_worker", str(port), str(i)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for i in (0, 1)]
     # The TP = 1 reference, here, while the children compile.

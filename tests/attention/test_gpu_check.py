@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.pallas.cases import load_gpu_check
+from tests.attention.cases import load_gpu_check
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

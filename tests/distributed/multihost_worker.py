@@ -1,6 +1,6 @@
-"""One process of the two-process tensor-parallel test (tests/test_multihost.py).
+"""One process of the two-process tensor-parallel test (tests/distributed/test_multihost.py).
 
-    python -m tests.multihost_worker <coordinator port> <process id>
+    python -m tests.distributed.multihost_worker <coordinator port> <process id>
 
 Each process has 2 fake CPU devices (XLA_FLAGS set by the parent), joins
 `jax.distributed` with gloo CPU collectives, and builds the same TP = 4 runner
@@ -26,7 +26,7 @@ def main(port: int, pid: int) -> None:
     from jaxserve.distributed.tensor_parallel import shard_report
     from jaxserve.scheduler.buckets import BucketPolicy
     from tests.conftest import tiny_params
-    from tests.tp_worker import PROMPTS, TINY_ENGINE, TINY_HEADS, _run
+    from tests.distributed.tp_worker import PROMPTS, TINY_ENGINE, TINY_HEADS, _run
 
     cfg, params = tiny_params(**TINY_HEADS)
     config = make_engine_config(cfg, attention_backend="xla", tensor_parallel_size=4,

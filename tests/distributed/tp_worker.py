@@ -2,7 +2,7 @@
 
 `XLA_FLAGS=--xla_force_host_platform_device_count=4` must be set before jax
 initialises, and the rest of the suite runs on one device, so
-tests/test_tensor_parallel.py runs this module as `python -m tests.tp_worker
+tests/distributed/test_tensor_parallel.py runs this module as `python -m tests.distributed.tp_worker
 <group>` and asserts on the JSON it prints last. Groups: "xla" (TP = 1, 2, 4 through
 the whole engine on a tiny 8-query / 2-KV-head model, shard shapes, bytes per
 device, update_params, bad sizes), "pallas" (the same with the Pallas Triton

@@ -4,7 +4,7 @@ caps every step at the largest ready bucket; strict_compiles still refuses a lat
 
 The background build is gated (a `threading.Event` in front of `ProgramTable.build`), so
 the "serving while warming up" phase is deterministic, not a race against the compiler.
-The oracle is the unpaged `reference_greedy` of tests/test_engine.py.
+The oracle is the unpaged `reference_greedy` of tests/engine/test_engine.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.scheduler.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.fake_runner import FakeRunner
-from test_engine import cached_reference, greedy, prompt_of, run_all
+from engine.test_engine import cached_reference, greedy, prompt_of, run_all
 
 ARGS = dict(max_model_len=128, block_size=4, num_kv_blocks=128, max_num_seqs=8,
             max_num_batched_tokens=32, token_buckets=(8, 32), seq_buckets=(8,),

@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from jaxserve.attention.pallas_triton import PallasTritonBackend
-from tests.pallas.cases import empty_common
+from tests.attention.cases import empty_common
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
