@@ -7,8 +7,8 @@ layers, in vLLM's order: the reasoning parser splits off the `<think>` span
 (`delta.reasoning` and `delta.reasoning_content`); what follows is the answer, which
 the tool parser reads in "auto" mode (tool_calls deltas: the first per call carries
 `index`, `id`, `type`, `function.name` and empty `arguments`, the next appends the
-arguments). Under a grammar (`tool_choice` named or required) the whole output is
-the call: named streams its arguments as they come; required is parsed at the end.
+arguments). Under a grammar (`tool_choice` named or required) the answer is the
+call: named streams its arguments as they come; required is parsed at the end.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class ChatOutputSpec:
       mode: "none" (plain content), "auto" (tool parser on the answer), "named" or
         "required" (the output is the grammar-shaped call).
       tool_parser: the server's parser (used in "auto").
-      reasoning: the server's reasoning parser, or None.
+      reasoning: the server's reasoning parser, or None (also when the request's own Lark
+        grammar decides the whole output: `reasoning.reasoning_grammar`).
       named: the function of "named" mode.
     """
 
@@ -63,10 +64,7 @@ class ChoiceParser:
 
     def __init__(self, spec: ChatOutputSpec):
         self.spec = spec
-        # Reasoning is split only when the output is free text: a grammar starts at token 0.
-        free = spec.mode in ("none", "auto")
-        self.reasoning = (ReasoningStream(spec.reasoning)
-                          if spec.reasoning is not None and free else None)
+        self.reasoning = None if spec.reasoning is None else ReasoningStream(spec.reasoning)
         self.tools = (ToolStream(spec.tool_parser)
                       if spec.mode == "auto" and spec.tool_parser is not None else None)
         self.num_calls = 0

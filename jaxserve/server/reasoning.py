@@ -19,7 +19,11 @@ so no partial `<think>` / `</think>` ever reaches a delta.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from jaxserve.server.tool_parsers import held_back
+from jaxserve.structured_output import StructuredOutputsParams
 
 START, END = "<think>", "</think>"
 
@@ -61,6 +65,50 @@ def pick_reasoning_parser(name: str | None) -> ReasoningParser | None:
     if name not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser={name!r} is not one of {tuple(REASONING_PARSERS)}")
     return REASONING_PARSERS[name]()
+
+
+# The thinking span as one Lark lexeme: <think>, any text without </think>, </think>
+# (llguidance's `&` / `~` lexeme operators). Its opening tag is optional for
+# deepseek_r1, whose template writes <think> into the prompt.
+_THINK_BODY = r"THINKBODY: /(.|\n)*/ & ~/(.|\n)*<\/think>(.|\n)*/"
+_THINK = {False: r"THINK: /<think>/ THINKBODY /<\/think>/",
+          True: r"THINK: /(<think>)?/ THINKBODY /<\/think>/"}
+# Compact JSON inside the grammar too (structured_output._JSON_OPTIONS).
+_JSON_GUIDANCE = {"whitespace_flexible": False}
+
+
+def _answer_rule(so: StructuredOutputsParams) -> str | None:
+    """The Lark rule text of a spec's answer, or None for a kind not wrapped (grammar)."""
+    spec = so.spec
+    if spec.kind in ("json", "json_object"):
+        schema = json.loads(spec.spec) if spec.kind == "json" else {"type": "object"}
+        return "%json " + json.dumps({**schema, "x-guidance": _JSON_GUIDANCE})
+    if spec.kind == "regex":
+        return "/" + spec.spec.replace("/", "\\/") + "/"
+    if spec.kind == "choice":
+        return " | ".join(json.dumps(c) for c in json.loads(spec.spec))
+    return None
+
+
+def reasoning_grammar(parser: ReasoningParser | None,
+                      so: StructuredOutputsParams | None) -> tuple[Any, bool]:
+    """(structured outputs, whether the reasoning parser reads the output) of a request.
+
+    A grammar applies to the answer after the reasoning, as in vLLM: a JSON schema,
+    json_object, regex or choice spec is wrapped into a Lark grammar that lets the
+    thinking span come first (`qwen3`: an optional `<think>...</think>`;
+    `deepseek_r1`: a required `...</think>`, `<think>` optional). A Lark / GBNF
+    grammar is kept as is and the reasoning split is off for that request (the
+    grammar decides the whole output).
+    """
+    if parser is None or so is None:
+        return so, parser is not None
+    rule = _answer_rule(so)
+    if rule is None:
+        return so, False
+    start = "start: THINK body" if parser.implicit_start else "start: THINK? body"
+    grammar = "\n".join([start, f"body: {rule}", _THINK[parser.implicit_start], _THINK_BODY])
+    return StructuredOutputsParams(grammar=grammar), True
 
 
 class ReasoningStream:

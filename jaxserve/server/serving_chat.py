@@ -20,11 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from jaxserve.server.async_engine import EngineRequest
 from jaxserve.server.chat_output import ChatOutputSpec, ChoiceParser, merge_deltas
 from jaxserve.server.chat_tools import render_chat, tool_choice_mode, tool_structured_outputs
-from jaxserve.server.protocol import ChatCompletionRequest, chat_params
-from jaxserve.server.reasoning import pick_reasoning_parser
+from jaxserve.server.protocol import ChatCompletionRequest, chat_params, validation_error
+from jaxserve.server.reasoning import pick_reasoning_parser, reasoning_grammar
 from jaxserve.server.serving import OpenAIServing, _Acc, _GroupStream, _structured_field
 from jaxserve.server.token_bytes import ChatLogprobTokens
 from jaxserve.server.tool_parsers import ToolParser, pick_tool_parser
+from jaxserve.structured_output import body_structured_outputs
+from jaxserve.validation import ValidationError
 
 
 class ChatServing:
@@ -63,15 +65,20 @@ class ChatServing:
         tok = s.engine.engine.tokenizer
         parser = self.tool_parser(tok)
         auto = mode == "auto" and bool(req.tools)
+        try:
+            so = tool_structured_outputs(req, mode, named) or body_structured_outputs(req)
+            so, reads_reasoning = reasoning_grammar(self.reasoning, so)
+        except ValidationError as e:
+            raise validation_error(e) from e
         params = chat_params(req, served_model_names=s.model_names,
-                             max_logprobs=s.max_logprobs, limits=s.limits,
-                             structured_outputs=tool_structured_outputs(req, mode, named),
+                             max_logprobs=s.max_logprobs, limits=s.limits, structured_outputs=so,
                              skip_special_tokens=(False if auto and not parser.skip_special_tokens
                                                   else None))
         text = render_chat(tok, req)
         ids = list(tok.encode(text, add_special_tokens=False))
         spec = ChatOutputSpec(mode="auto" if auto else ("none" if mode == "auto" else mode),
-                              tool_parser=parser, reasoning=self.reasoning, named=named)
+                              tool_parser=parser, named=named,
+                              reasoning=self.reasoning if reads_reasoning else None)
         return params, ids, spec
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:

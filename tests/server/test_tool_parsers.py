@@ -195,3 +195,42 @@ def test_required_mode_parses_the_array_at_the_end():
     assert merge_deltas(cut.feed('[{"name":"a","param') + cut.finish(),
                         with_reasoning=False) == {"role": "assistant",
                                                   "content": '[{"name":"a","param'}
+
+
+@pytest.mark.parametrize("name,accepted,refused", [
+    ("qwen3", ['<think>a </thin b</think>{"a":1}', '{"a":12}'],
+     ['<think>x</think><think>{"a":1}', 'x{"a":1}', '{ "a":1}', '<think>x{"a":1}']),
+    ("deepseek_r1", ['hmm</think>{"a":1}', '<think>hmm</think>{"a":1}'],
+     ['{"a":1}', 'a</think>b</think>{"a":1}']),
+])
+def test_reasoning_grammar_lets_the_thinking_span_come_first(name, accepted, refused):
+    """llguidance, with the ASCII tokenizer: the wrapped grammar takes the span then the
+    compact JSON answer (and EOS after it); anything else is refused at some token."""
+    import numpy as np
+
+    from jaxserve.server.reasoning import reasoning_grammar
+    from jaxserve.structured_output import GrammarCompiler, StructuredOutputsParams
+    from test_structured_output import ascii_tokenizer
+
+    tok = ascii_tokenizer()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    so, reads = reasoning_grammar(pick_reasoning_parser(name), StructuredOutputsParams(json=schema))
+    assert reads and so.grammar is not None
+    compiler = GrammarCompiler(tok, tok.vocab_size, [tok.eos_token_id])
+
+    def allowed(text):
+        m = compiler.matcher(so.spec)
+        for t in tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]:
+            row = np.zeros((tok.vocab_size + 31) // 32, np.int32)
+            m.fill_bitmask(row)
+            if not np.unpackbits(row.view(np.uint8), bitorder="little")[t]:
+                return False
+            m.accept(t)
+        return True
+    try:
+        assert [allowed(t) for t in accepted] == [True] * len(accepted)
+        assert [allowed(t) for t in refused] == [False] * len(refused)
+    finally:
+        compiler.close()
+    grammar = StructuredOutputsParams(grammar='start: "x"')  # a Lark grammar decides it all
+    assert reasoning_grammar(pick_reasoning_parser(name), grammar) == (grammar, False)

@@ -71,6 +71,7 @@ SCRIPTS = [
     '<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>',
     "<think>The user greets me.</think>Hello there",
     "<think>I need the forecast.</think>" + CALL,
+    '<think>Plan: Paris.</think>{"city":"Paris","days":3}',  # a grammar after reasoning
 ]
 GGUF = Path(__file__).resolve().parents[2] / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -337,3 +338,22 @@ def test_smollm2_template_tool_calls_and_multi_turn(smollm2):
     assert r.usage.prompt_tokens == tok["count"]
     healthy_probe(srv)
     np.testing.assert_equal(len(r.choices), 1)
+
+
+@pytest.mark.skipif(ENGINE_KIND != "fake", reason="scripted FakeRunner outputs (one run)")
+def test_grammar_applies_after_the_reasoning(scripted):
+    """A named tool call and a json_schema response under --reasoning_parser=qwen3: the
+    thinking span is allowed before the grammar-shaped answer and split off."""
+    _, client = scripted
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    ch = client.chat.completions.create(tools=TOOLS, tool_choice=named, **_ask(5)).choices[0]
+    assert ch.message.reasoning == "Plan: Paris." and ch.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in ch.message.tool_calls] == [
+        ("get_weather", '{"city":"Paris","days":3}')]
+    content, reasoning, calls, finish = _stream(client, tools=TOOLS, tool_choice=named, **_ask(5))
+    assert (content, reasoning, calls, finish) == (
+        "", "Plan: Paris.", [["get_weather", '{"city":"Paris","days":3}']], "tool_calls")
+    ch = client.chat.completions.create(response_format={"type": "json_schema", "json_schema": {
+        "name": "w", "schema": WEATHER}}, **_ask(5)).choices[0]
+    assert ch.message.reasoning == "Plan: Paris." and ch.finish_reason == "stop"
+    assert json.loads(ch.message.content) == {"city": "Paris", "days": 3}
