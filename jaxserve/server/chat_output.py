@@ -8,7 +8,8 @@ layers, in vLLM's order: the reasoning parser splits off the `<think>` span
 the tool parser reads in "auto" mode (tool_calls deltas: the first per call carries
 `index`, `id`, `type`, `function.name` and empty `arguments`, the next appends the
 arguments). Under a grammar (`tool_choice` named or required) the answer is the
-call: named streams its arguments as they come; required is parsed at the end.
+call: named streams its arguments as they come; required emits each item of its
+`[{"name", "parameters"}, ...]` array as the item closes.
 """
 
 from __future__ import annotations
@@ -47,16 +48,20 @@ def _call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
             {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
 
 
-def _required_calls(text: str) -> list[ToolCall] | None:
-    """The calls of a `required` output (`[{"name", "parameters"}, ...]`), None if cut short."""
+_DECODER = json.JSONDecoder()
+
+
+def _next_item(text: str, at: int) -> tuple[ToolCall, int] | None:
+    """The call at `text[at:]` of a `required` array (`{"name", "parameters"}`) and the
+    index past it and its separator, or None while the item is unfinished."""
     try:
-        arr = json.loads(text)
+        obj, end = _DECODER.raw_decode(text, at)
     except ValueError:
         return None
-    if not isinstance(arr, list) or not all(isinstance(o, dict) and "name" in o for o in arr):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    return [ToolCall(o["name"], json.dumps(o.get("parameters", {}), ensure_ascii=False))
-            for o in arr]
+    call = ToolCall(obj["name"], json.dumps(obj.get("parameters", {}), ensure_ascii=False))
+    return call, end + (text[end:end + 1] == ",")
 
 
 class ChoiceParser:
@@ -68,7 +73,8 @@ class ChoiceParser:
         self.tools = (ToolStream(spec.tool_parser)
                       if spec.mode == "auto" and spec.tool_parser is not None else None)
         self.num_calls = 0
-        self.raw: list[str] = []  # required mode: the whole output, parsed at the end
+        self.raw = ""  # required mode: the output so far (the JSON array)
+        self.at = 1  # required mode: where the next unparsed item starts (past "[")
 
     def _answer(self, text: str, out: list, final: bool) -> None:
         if self.spec.mode == "named":
@@ -78,17 +84,13 @@ class ChoiceParser:
             if text:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return
-        if self.spec.mode == "required":
-            self.raw.append(text)
-            if final:
-                calls = _required_calls("".join(self.raw))
-                if calls is None:  # cut short (finish_reason "length"): the text as content
-                    if "".join(self.raw):
-                        out.append({"content": "".join(self.raw)})
-                    return
-                for c in calls:
-                    out.extend(_call_deltas(self.num_calls, c))
-                    self.num_calls += 1
+        if self.spec.mode == "required":  # each array item is a call once it closes
+            self.raw += text
+            while (item := _next_item(self.raw, self.at)) is not None:
+                out.extend(_call_deltas(self.num_calls, item[0]))
+                self.num_calls, self.at = self.num_calls + 1, item[1]
+            if final and self.num_calls == 0 and self.raw:  # cut before one call closed
+                out.append({"content": self.raw})
             return
         events = [text] if self.tools is None else self.tools.feed(text)
         if final and self.tools is not None:
@@ -117,7 +119,9 @@ class ChoiceParser:
         return self._step("", True)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """OpenAI's "tool_calls" when the choice stopped after emitting calls."""
+        """OpenAI's "tool_calls" when the choice stopped after emitting calls ("length"
+        stays: a `required` array cut by max_tokens keeps the calls that closed before
+        the cut and drops the unfinished one)."""
         return "tool_calls" if engine_reason == "stop" and self.num_calls else engine_reason
 
 

@@ -184,14 +184,24 @@ def test_named_mode_streams_arguments_as_they_come():
         '{"city":"Paris"}'
 
 
-def test_required_mode_parses_the_array_at_the_end():
+def test_required_mode_emits_each_call_as_its_item_closes():
     p = ChoiceParser(ChatOutputSpec(mode="required"))
-    deltas = p.feed('[{"name":"a","parameters":{"x":1}},') + p.feed(
-        '{"name":"b","parameters":{}}]') + p.finish()
+    first = p.feed('[{"name":"a","parameters":{"x":1}},{"name":"b","para')
+    assert [tc["function"] for d in first for tc in d["tool_calls"]] == [
+        {"name": "a", "arguments": ""}, {"arguments": '{"x": 1}'}]
+    deltas = first + p.feed('meters":{}}]') + p.finish()
     msg = merge_deltas(deltas, with_reasoning=False)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
         ("a", '{"x": 1}'), ("b", "{}")]
-    cut = ChoiceParser(ChatOutputSpec(mode="required"))  # max_tokens cut the JSON: content
+    assert msg["content"] is None and p.finish_reason("stop") == "tool_calls"
+    # cut by max_tokens after one item closed: that call stays, the unfinished one goes
+    cut = ChoiceParser(ChatOutputSpec(mode="required"))
+    msg = merge_deltas(cut.feed('[{"name":"a","parameters":{}},{"name":"a","param') +
+                       cut.finish(), with_reasoning=False)
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["a"]
+    assert cut.finish_reason("length") == "length"
+    # cut before any item closed: the text is content
+    cut = ChoiceParser(ChatOutputSpec(mode="required"))
     assert merge_deltas(cut.feed('[{"name":"a","param') + cut.finish(),
                         with_reasoning=False) == {"role": "assistant",
                                                   "content": '[{"name":"a","param'}
