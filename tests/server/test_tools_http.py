@@ -33,7 +33,7 @@ from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.worker.fake_runner import FakeRunner, counting_token
-from test_structured_output import MODEL_VOCAB, so_engine
+from test_structured_output import so_engine
 
 from .helpers import ENGINE_KIND, MODEL, healthy_probe, running_server
 
@@ -84,7 +84,7 @@ def tool_tokenizer() -> Tokenizer:
 
 
 def _fake(tok, token_fn=None, **kw) -> LLMEngine:
-    model = ModelConfig.tiny(vocab_size=max(MODEL_VOCAB, tok.vocab_size),
+    model = ModelConfig.tiny(vocab_size=tok.vocab_size,
                              max_position_embeddings=2048)
     args = dict(max_model_len=1024, block_size=4, num_kv_blocks=2000, max_num_seqs=16,
                 max_num_batched_tokens=128)
@@ -187,6 +187,17 @@ def test_auto_and_none_answer_200(grammar):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8,
                                            temperature=0, **kw)
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_empty_assistant_and_tool_without_id_are_accepted(grammar):
+    """vLLM accepts an assistant message with neither content nor tool calls, and a tool
+    result without tool_call_id."""
+    srv, _ = grammar
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant"},
+                {"role": "tool", "content": "ok"}, {"role": "user", "content": "again"}]
+    r = httpx.post(srv.url("/v1/chat/completions"), json={
+        "model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 4})
+    assert r.status_code == 200, r.text
 
 
 def _ask(n: int, **kw):
