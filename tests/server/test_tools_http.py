@@ -196,7 +196,7 @@ def test_empty_assistant_and_tool_without_id_are_accepted(grammar):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant"},
                 {"role": "tool", "content": "ok"}, {"role": "user", "content": "again"}]
     r = httpx.post(srv.url("/v1/chat/completions"), json={
-        "model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 4})
+        "model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
 
 
