@@ -34,6 +34,9 @@ TOOL_CHOICES = ("none", "auto", "required")
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
                                     "tokenize", "bos_token", "eos_token", "continue_final_message"})
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
+# The body's other structured-output fields (besides response_format).
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "structured_outputs")
 
 
 def _parameters(tool: Any) -> dict[str, Any]:
@@ -103,10 +106,9 @@ def tool_choice_mode(req: ChatCompletionRequest, *, auto_enabled: bool = True
         if mode == "named" and name not in names:
             raise APIError(400, f"tool_choice names function {name!r}, which is not in tools "
                            f"{names[:20]}", param="tool_choice")
-        if req.response_format is not None and req.response_format.get("type") != "text" or any(
-                getattr(req, f) is not None for f in ("guided_json", "guided_regex",
-                                                     "guided_choice", "guided_grammar",
-                                                     "structured_outputs")):
+        rf = req.response_format
+        guided = [f for f in _GUIDED_FIELDS if getattr(req, f) is not None]
+        if guided or (rf is not None and rf.get("type") != "text"):
             raise APIError(400, f"tool_choice={tc!r:.100} is enforced with a grammar and cannot "
                            "be combined with response_format or guided_*", param="tool_choice")
     return mode, name
