@@ -104,6 +104,13 @@ flags.DEFINE_string("served_model_name", None, "Model name in the API (default: 
 flags.DEFINE_string("api_key", None, "Optional bearer token required on /v1 routes.")
 flags.DEFINE_string("allowed_weights_dir", None, "With --api_key: the only directory "
                     "POST /admin/update_weights_from_disk may load checkpoints from.")
+flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "hermes", "llama3_json", "mistral"],
+                  "vLLM's --tool-call-parser: how model output becomes tool_calls; auto: "
+                  "read from the chat template, else hermes.")
+flags.DEFINE_bool("enable_auto_tool_choice", True, "vLLM's --enable-auto-tool-choice: "
+                  "tool_choice='auto' parses tool calls (off: it is a 400).")
+flags.DEFINE_enum("reasoning_parser", None, ["qwen3", "deepseek_r1"], "vLLM's "
+                  "--reasoning-parser: split <think>...</think> into message.reasoning.")
 flags.DEFINE_integer("max_queued_requests", None, "Most requests waiting to be scheduled; past "
                      "it new requests get 503 with Retry-After (default: unbounded).")
 
@@ -336,7 +343,9 @@ def cmd_serve() -> int:
               api_key=FLAGS.api_key, max_queued_requests=FLAGS.max_queued_requests,
               served_model_name=FLAGS.served_model_name,
               allowed_weights_dir=FLAGS.allowed_weights_dir,
-              params_cache_dir=FLAGS.params_cache_dir or None)
+              params_cache_dir=FLAGS.params_cache_dir or None,
+              tool_call_parser=FLAGS.tool_call_parser, reasoning_parser=FLAGS.reasoning_parser,
+              enable_auto_tool_choice=FLAGS.enable_auto_tool_choice)
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down already and re-raises SIGINT
         return 130  # the shell's status for SIGINT, without a traceback
     return 0

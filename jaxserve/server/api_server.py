@@ -34,6 +34,7 @@ from jaxserve.server.metrics import ServerMetrics, token_bucket_stats
 from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
 from jaxserve.server.serving import OpenAIServing
+from jaxserve.server.serving_chat import ChatServing
 from jaxserve.server.serving_tokens import TokenizationServing
 
 logger = logging.getLogger("jaxserve.server")
@@ -127,7 +128,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] | None = None,
               api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
               max_queued_requests: int | None = None, allowed_weights_dir: str | None = None,
-              params_cache_dir: str | None = None) -> FastAPI:
+              params_cache_dir: str | None = None, tool_call_parser: str = "auto",
+              reasoning_parser: str | None = None,
+              enable_auto_tool_choice: bool = True) -> FastAPI:
     """Build the FastAPI app around an engine (or a zero-arg factory that builds one).
 
     The app's lifespan starts the engine loop thread (the factory, if given,
@@ -145,6 +148,11 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
         request gets 503 with Retry-After (None: unbounded).
       allowed_weights_dir, params_cache_dir: the admin weight-load route
         (`jaxserve.server.admin`; it exists only with an api_key).
+      tool_call_parser, reasoning_parser, enable_auto_tool_choice: vLLM's chat options
+        (`jaxserve.server.serving_chat.ChatServing`).
+
+    Raises:
+      ValueError: an empty served_model_name list, an unknown parser name.
     """
     if served_model_name is None:
         names: list[str] = []  # resolved to engine.model_name once the engine exists
@@ -176,6 +184,9 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
     app.state.metrics = metrics
     serving = OpenAIServing(aengine, names)
     app.state.serving = serving
+    chat = ChatServing(serving, tool_call_parser=tool_call_parser,
+                       reasoning_parser=reasoning_parser,
+                       enable_auto_tool_choice=enable_auto_tool_choice)
 
     async def check_auth(request: Request) -> None:
         if api_key is None:
@@ -218,7 +229,7 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await serving.chat(req, raw)
+        return await chat.chat(req, raw)
 
     tokens = TokenizationServing(serving)
 
@@ -266,7 +277,8 @@ def serve(engine_or_factory: Any, *, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
           log_level: str = "info", timeout_graceful_shutdown: float = 5.0,
           max_queued_requests: int | None = None, allowed_weights_dir: str | None = None,
-          params_cache_dir: str | None = None) -> None:
+          params_cache_dir: str | None = None, tool_call_parser: str = "auto",
+          reasoning_parser: str | None = None, enable_auto_tool_choice: bool = True) -> None:
     """Run the server until SIGTERM/SIGINT; returns after a clean shutdown.
 
     Args:
@@ -280,11 +292,14 @@ def serve(engine_or_factory: Any, *, host: str = "127.0.0.1", port: int = 8000,
       max_queued_requests: bound on waiting requests (503 + Retry-After past it).
       allowed_weights_dir: the only directory the admin weight-load route reads.
       params_cache_dir: the params cache that route's loads use (None: off).
+      tool_call_parser, reasoning_parser, enable_auto_tool_choice: see `build_app`.
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(engine_or_factory, served_model_name=served_model_name, api_key=api_key,
                     host=host, port=port, max_queued_requests=max_queued_requests,
-                    allowed_weights_dir=allowed_weights_dir, params_cache_dir=params_cache_dir)
+                    allowed_weights_dir=allowed_weights_dir, params_cache_dir=params_cache_dir,
+                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                    enable_auto_tool_choice=enable_auto_tool_choice)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=timeout_graceful_shutdown)
     server = JaxserveServer(config)

@@ -140,10 +140,45 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text (OpenAI); parsed to an object for the chat template
+
+
+class MessageToolCall(_Strict):
+    """An assistant message's `tool_calls[i]` (OpenAI's shape)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
+    """One message. Assistant messages may carry `tool_calls` (content then optional) and
+    their earlier reasoning (`reasoning`, vLLM; `reasoning_content`, DeepSeek); tool
+    results are `role: "tool"` with an optional `tool_call_id`."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    """One entry of `tools`; only `type: "function"` is served (checked in chat_tools)."""
+
+    type: str = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -154,8 +189,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    # Tool calling (jaxserve.server.chat_tools): tool_choice is "none" | "auto" | "required"
+    # | {"type": "function", "function": {"name": ...}}; None: "auto" with tools, else "none".
+    tools: list[ChatTool] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
+    # vLLM: extra variables for the chat template (Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's field; not served on chat (a 400 rather than dropped): use /v1/completions.
     prompt_logprobs: int | None = None
 
@@ -181,6 +221,8 @@ class TokenizeChatRequest(_Strict):
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
 
@@ -227,28 +269,6 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
     return prompts
 
 
-def chat_messages(req: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, str]]:
-    """Messages as plain `{"role", "content"}` dicts for `apply_chat_template`.
-
-    Text parts of a list-valued content are concatenated.
-
-    Raises:
-      APIError(400, param="messages"): the list is empty.
-    """
-    if not req.messages:
-        raise APIError(400, "messages is empty: give at least one message", param="messages")
-    out = []
-    for m in req.messages:
-        if m.content is None:
-            content = ""
-        elif isinstance(m.content, str):
-            content = m.content
-        else:
-            content = "".join(p.text for p in m.content)
-        out.append({"role": m.role, "content": content})
-    return out
-
-
 # Body fields that are not SamplingParams fields, checked by the same validator.
 BODY_RULES = PRIORITY_RULES + STRUCTURED_BODY_RULES
 
@@ -290,9 +310,14 @@ def _check_common(req: _SamplingFields, served_model_names: list[str],
 def _build_params(req: _SamplingFields, *, max_tokens: int | None, max_tokens_field: str,
                   logprobs: int | None, limits: Limits | None,
                   prompt_logprobs: int | None = None,
-                  prompt_logprobs_field: str = "prompt_logprobs") -> SamplingParams:
+                  prompt_logprobs_field: str = "prompt_logprobs", structured_outputs: Any = None,
+                  skip_special_tokens: bool | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if skip_special_tokens is None:
+        skip_special_tokens = req.skip_special_tokens
     try:
+        if structured_outputs is None:
+            structured_outputs = body_structured_outputs(req)
         params = SamplingParams(
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -302,8 +327,8 @@ def _build_params(req: _SamplingFields, *, max_tokens: int | None, max_tokens_fi
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
-            structured_outputs=body_structured_outputs(req))
+            skip_special_tokens=skip_special_tokens, logit_bias=req.logit_bias,
+            structured_outputs=structured_outputs)
         return validate_sampling_params(params, limits)
     except ValidationError as e:
         raise validation_error(e, rename={"max_tokens": max_tokens_field,
@@ -351,17 +376,20 @@ def echo_without_generation(req: CompletionRequest) -> bool:
 
 
 def chat_params(req: ChatCompletionRequest, *, served_model_names: list[str],
-                max_logprobs: int, limits: Limits | None = None) -> SamplingParams:
+                max_logprobs: int, limits: Limits | None = None,
+                structured_outputs: Any = None,
+                skip_special_tokens: bool | None = None) -> SamplingParams:
     """Validate a chat body and build its `SamplingParams`.
 
     `max_completion_tokens` wins over the deprecated `max_tokens` when both are set.
+    `structured_outputs` (the grammar of `tool_choice` required / named) replaces the
+    body's; `skip_special_tokens`, when set, the body's (a tool parser whose tags are
+    special tokens needs them kept).
 
     Raises:
       APIError(400): naming the bad field.
     """
     _check_common(req, served_model_names, limits)
-    if req.tools:
-        raise APIError(400, "tools are not supported", param="tools")
     if req.prompt_logprobs is not None:
         raise APIError(400, f"prompt_logprobs={req.prompt_logprobs} is not supported on "
                        f"/v1/chat/completions; use /v1/completions", param="prompt_logprobs")
@@ -379,7 +407,8 @@ def chat_params(req: ChatCompletionRequest, *, served_model_names: list[str],
     else:
         max_tokens, field = req.max_tokens, "max_tokens"
     return _build_params(req, max_tokens=max_tokens, max_tokens_field=field, logprobs=logprobs,
-                         limits=limits)
+                         limits=limits, structured_outputs=structured_outputs,
+                         skip_special_tokens=skip_special_tokens)
 
 
 def check_num_choices(num_prompts: int, n: int) -> None:

@@ -28,9 +28,9 @@ from jaxserve.server.async_engine import (AddRequestError, AsyncEngine, Completi
                                           EngineRequest, QueueFullError, RequestDelta,
                                           RequestGroup)
 from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                      chat_messages, chat_params, check_num_choices,
-                                      completion_params, echo_without_generation,
-                                      normalize_prompts, validation_error)
+                                      check_num_choices, completion_params,
+                                      echo_without_generation, normalize_prompts,
+                                      validation_error)
 from jaxserve.server.token_bytes import ChatLogprobTokens
 from jaxserve.structured_output import is_grammar_error, structured_sources
 from jaxserve.validation import Limits, ValidationError, validate_prompt
@@ -145,7 +145,8 @@ def _sse(obj: Any) -> str:
 
 
 class OpenAIServing:
-    """Handlers for /v1/completions and /v1/chat/completions.
+    """Handlers for /v1/completions (and the helpers /v1/chat/completions shares,
+    `jaxserve.server.serving_chat`).
 
     Args:
       engine: the running `AsyncEngine`.
@@ -426,52 +427,3 @@ class OpenAIServing:
                     tmp = _Choice(token_ids=list(c.token_ids), logprobs=list(c.logprobs))
                     lp = self._logprobs_completion(tmp, 0)
                 yield choice(idx, c.text, c.finish_reason, lp, c.stop_reason)
-
-    # ------------------------------------------------------------------ chat
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self._require_ready()
-        params = chat_params(req, served_model_names=self.model_names,
-                             max_logprobs=self.max_logprobs, limits=self.limits)
-        messages = chat_messages(req)
-        await self._compile_grammar(params, _structured_field(req))
-        base = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await self._submit([EngineRequest(base, None, params, messages=messages,
-                                                  priority=req.priority)])
-        acc = _Acc(group, req.n)
-        head = {"id": base, "object": "chat.completion", "created": int(time.time()),
-                "model": req.model or self.model_names[0]}
-        top_k = req.top_logprobs or 0
-        if req.stream:
-            return _GroupStream(self._stream_chat(group, acc, req, head, top_k), group)
-        if not await self._collect(group, acc, raw):
-            return Response(status_code=499)
-        choices = [{
-            "index": i, "message": {"role": "assistant", "content": "".join(ch.text)},
-            "logprobs": (self._logprobs_chat(ch.token_ids, ch.logprobs, top_k)
-                         if req.logprobs else None),
-            "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
-            for i, ch in enumerate(acc.choices)]
-        return JSONResponse({**head, "choices": choices, "usage": acc.usage()})
-
-    def _stream_chat(self, group, acc: _Acc, req: ChatCompletionRequest, head: dict,
-                     top_k: int) -> AsyncIterator[str]:
-        return self._sse_stream(group, acc, {**head, "object": "chat.completion.chunk"},
-                                req.stream_options, self._chat_deltas(group, acc, req, top_k))
-
-    async def _chat_deltas(self, group, acc: _Acc, req: ChatCompletionRequest,
-                           top_k: int) -> AsyncIterator[dict]:
-        def choice(idx: int, delta: dict, finish: str | None, logprobs=None):
-            return {"index": idx, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-        for i in range(len(acc.choices)):
-            yield choice(i, {"role": "assistant", "content": ""}, None)
-        readers = [ChatLogprobTokens(self.engine.engine.tokenizer) for _ in acc.choices]
-        async for d in group:
-            for idx, c in acc.apply(d):
-                if not (c.text or c.token_ids or c.finish_reason):
-                    continue
-                lp = None
-                if req.logprobs and c.logprobs is not None:
-                    lp = self._logprobs_chat(c.token_ids, c.logprobs, top_k, readers[idx])
-                delta = {"content": c.text} if c.text else {}
-                yield choice(idx, delta, c.finish_reason, lp)

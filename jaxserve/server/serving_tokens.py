@@ -16,9 +16,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from jaxserve.server.chat_tools import render_chat, template_kwargs, template_messages
 from jaxserve.server.protocol import (DETOKENIZE_RULES, APIError, DetokenizeRequest,
                                       TokenizeChatRequest, TokenizeCompletionRequest,
-                                      chat_messages, check_model, validation_error)
+                                      check_model, validation_error)
 from jaxserve.validation import ValidationError, run_rules
 
 
@@ -27,7 +28,7 @@ from jaxserve.validation import ValidationError, run_rules
 _CONTINUE_TAG = "\u2063JAXSERVE_CONTINUE_FINAL\u2063 "
 
 
-def continue_final_message(tok: Any, messages: list[dict[str, str]]) -> str:
+def continue_final_message(tok: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
     """Render `messages` so the text ends right where the final message's content ends.
 
     transformers' `apply_chat_template(continue_final_message=True)`: the final
@@ -41,13 +42,14 @@ def continue_final_message(tok: Any, messages: list[dict[str, str]]) -> str:
       tok: the served tokenizer (its `apply_chat_template(messages, ...,
         tokenize=False)` renders text).
       messages: `{"role", "content"}` dicts, the last one to be continued.
+      kwargs: more template variables (`tools`, `chat_template_kwargs`).
 
     Raises:
       APIError(400, param="messages"): the template drops the final content.
     """
     tagged = [dict(m) for m in messages]
     tagged[-1]["content"] = str(tagged[-1]["content"]) + _CONTINUE_TAG
-    text = tok.apply_chat_template(tagged, add_generation_prompt=False, tokenize=False)
+    text = tok.apply_chat_template(tagged, add_generation_prompt=False, tokenize=False, **kwargs)
     at = text.rfind(_CONTINUE_TAG.strip())
     if at < 0:
         raise APIError(400, "continue_final_message=true needs a final message whose content "
@@ -82,12 +84,11 @@ class TokenizationServing:
             raise APIError(400, "add_generation_prompt=true and continue_final_message=true "
                            "cannot both be set (set add_generation_prompt=false)",
                            param="continue_final_message")
-        messages = chat_messages(req)
+        if not req.continue_final_message:
+            return render_chat(tok, req, add_generation_prompt=req.add_generation_prompt)
+        messages = template_messages(req, tok.chat_template)
         try:
-            if req.continue_final_message:
-                return continue_final_message(tok, messages)
-            return tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                           tokenize=False)
+            return continue_final_message(tok, messages, **template_kwargs(req))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
 

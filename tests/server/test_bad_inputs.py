@@ -20,6 +20,11 @@ def _m(**kw):
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
 
 
+def _TOOL(name, parameters=None):
+    fn = {"name": name} if parameters is None else {"name": name, "parameters": parameters}
+    return {"type": "function", "function": fn}
+
+
 BAD = [
     # (id, route, body, param the error must name)
     ("prompt_too_long", CMPL, _c(prompt=[5] * M), "prompt"),
@@ -78,7 +83,32 @@ BAD = [
     ("chat_max_tokens_zero", CHAT, _m(max_tokens=0), "max_tokens"),
     ("chat_top_logprobs_without_logprobs", CHAT, _m(top_logprobs=2), "top_logprobs"),
     ("chat_top_logprobs_too_many", CHAT, _m(logprobs=True, top_logprobs=10**4), "top_logprobs"),
-    ("chat_tools", CHAT, _m(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    # Tool calling (issue 29): bad tool definitions and tool_choice values name their field.
+    ("chat_tool_not_function", CHAT, _m(tools=[{"type": "code_interpreter",
+                                                "function": {"name": "f"}}]), "tools"),
+    ("chat_tool_no_name", CHAT, _m(tools=[{"type": "function", "function": {}}]), "tools"),
+    ("chat_tool_empty_name", CHAT, _m(tools=[_TOOL("")]), "tools"),
+    ("chat_tool_twice", CHAT, _m(tools=[_TOOL("f"), _TOOL("f")]), "tools"),
+    ("chat_tool_bad_schema", CHAT, _m(tools=[_TOOL("f", {"type": "object", "properties": {
+        "x": {"type": "string", "pattern": "(["}}})]), "tools"),
+    ("chat_tool_dangling_ref", CHAT, _m(tools=[_TOOL("f", {"$ref": "#/$defs/nope"})]), "tools"),
+    ("chat_tool_schema_not_object", CHAT, _m(tools=[_TOOL("f", ["x"])]), "tools"),
+    ("chat_tool_choice_unknown", CHAT, _m(tools=[_TOOL("f")], tool_choice="always"),
+     "tool_choice"),
+    ("chat_tool_choice_not_in_tools", CHAT, _m(tools=[_TOOL("f")], tool_choice={
+        "type": "function", "function": {"name": "g"}}), "tool_choice"),
+    ("chat_tool_choice_no_name", CHAT, _m(tools=[_TOOL("f")], tool_choice={"type": "function"}),
+     "tool_choice"),
+    ("chat_required_without_tools", CHAT, _m(tool_choice="required"), "tool_choice"),
+    ("chat_required_and_response_format", CHAT, _m(tools=[_TOOL("f")], tool_choice="required",
+                                                   response_format={"type": "json_object"}),
+     "tool_choice"),
+    ("chat_tool_call_args_not_json", CHAT, _m(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
+            "name": "f", "arguments": "{oops"}}]}]), "messages"),
+    ("chat_template_kwargs_reserved", CHAT, _m(chat_template_kwargs={"messages": []}),
+     "chat_template_kwargs"),
     ("chat_response_format_xml", CHAT, _m(response_format={"type": "xml"}), "response_format"),
     ("chat_n_17", CHAT, _m(n=17), "n"),
     ("chat_unknown_model", CHAT, _m(model="nope"), "model"),

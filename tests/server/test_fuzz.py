@@ -44,6 +44,18 @@ def test_the_schema_covers_every_route():
                       "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"}
 
 
+def test_the_schema_covers_the_tool_and_reasoning_fields():
+    """Issue 29's fields are in the schema, so the fuzz generates them (nested too)."""
+    schemas = build_app(lambda: None).openapi()["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"} <= set(chat)
+    assert {"tool_calls", "tool_call_id", "reasoning", "reasoning_content"} <= set(
+        schemas["ChatMessage"]["properties"])
+    assert {"name", "parameters"} <= set(schemas["FunctionDefinition"]["properties"])
+    assert {"tools", "chat_template_kwargs"} <= set(
+        schemas["TokenizeChatRequest"]["properties"])
+
+
 # A route without parameters or body has no negative case (schemathesis finds none).
 CASES = [(op, mode) for op in OPERATIONS
          for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
