@@ -44,16 +44,22 @@ class PhaseClock:
     device: float = 0.0
 
     def wrap(self, obj: Any, name: str, phase: str) -> None:
-        """Replace `obj.name` by a wrapper that adds its wall time to `phase`."""
+        """Replace `obj.name` by a wrapper that adds its wall time to `phase` ("device":
+        to `device`)."""
         fn = getattr(obj, name)
-        clock = self.seconds
+
+        def add(dt: float) -> None:
+            if phase == "device":
+                self.device += dt
+            else:
+                self.seconds[phase] += dt
 
         def timed(*a, **kw):
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                clock[phase] += time.perf_counter() - t0
+                add(time.perf_counter() - t0)
         setattr(obj, name, timed)
 
     def reset(self) -> None:
@@ -111,15 +117,7 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
         clock.wrap(engine.outputs, name, "output")
     runner = engine.runner
     if hasattr(runner, "run_host_batch"):  # the real runner: time its device half
-        inner = runner.run_host_batch
-
-        def device_half(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                clock.device += time.perf_counter() - t0
-        runner.run_host_batch = device_half
+        clock.wrap(runner, "run_host_batch", "device")
     clock.wrap(runner, "execute", "runner_host")
 
 

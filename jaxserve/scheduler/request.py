@@ -20,6 +20,21 @@ from jaxserve.sampling_params import SamplingParams
 _SEED_RNG = random.SystemRandom()
 
 
+class TokenCounts:
+    """`num_prompt_tokens` / `num_output_tokens` of an object with `prompt_token_ids` and
+    `output_token_ids` (the scheduler's `Request`, the runner's `CachedRequestState`)."""
+
+    __slots__ = ()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. The FINISHED_* values are terminal."""
 
@@ -54,7 +69,7 @@ def is_finished(status: RequestStatus) -> bool:
     return status >= RequestStatus.FINISHED_STOPPED
 
 
-class Request:
+class Request(TokenCounts):
     """One sequence to generate: prompt, output so far, and scheduling state.
 
     Args:
@@ -120,14 +135,6 @@ class Request:
         self._stop_ids = frozenset(sampling_params.stop_token_ids)
 
     # ------------------------------------------------------------ derived
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxserve.scheduler.request import TokenCounts
 from jaxserve.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from jaxserve.worker.runner import SampledToken
 
 
-class CachedRequestState:
+class CachedRequestState(TokenCounts):
     """The runner's copy of one running request (vLLM's `CachedRequestState`).
 
     Attributes:
@@ -59,14 +60,6 @@ class CachedRequestState:
         self.output_token_ids = list(new.output_token_ids)
         self.all_token_ids = list(new.prompt_token_ids) + self.output_token_ids
         self.num_computed_tokens = 0
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
