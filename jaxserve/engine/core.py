@@ -377,6 +377,11 @@ class LLMEngine:
         """Resume after `pause_generation`. Raises ValueError when not paused."""
         self.pauser.resume()
 
+    @property
+    def is_paused(self) -> bool:
+        """True between `pause_generation` and `resume_generation` (vLLM's `is_paused`)."""
+        return self.pauser.paused
+
     # -------------------------------------------------------------- control
     def abort(self, request_id: str) -> bool:
         """Abort a user request in any state; frees its KV blocks. False if unknown."""
@@ -435,4 +440,5 @@ class LLMEngine:
             "last_step_tokens": self.last_step_tokens,
             "weight_version": self.weight_version,
             "paused": self.pauser.paused,
+            "pause_mode": self.pauser.mode,
         }

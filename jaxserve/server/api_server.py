@@ -205,7 +205,10 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
     @app.get("/health")
     async def health() -> Response:
         if aengine.is_ready:  # progressive warm-up: serving while the rest compile
-            return JSONResponse({"status": "ok", **aengine.readiness()})
+            st = aengine.stats  # paused (issue 28): alive, requests wait for the resume
+            return JSONResponse({"status": "ok", **aengine.readiness(),
+                                 "paused": bool(st.get("paused")),
+                                 "pause_mode": st.get("pause_mode")})
         msg = {"starting": "warming up", "failed": f"engine failed: {aengine.error}"}.get(
             aengine.state, aengine.state)
         return _error_response(APIError(503, msg))

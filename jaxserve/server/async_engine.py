@@ -320,7 +320,10 @@ class AsyncEngine:
         self._refresh_stats()
         self._ready.set()
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished_requests()
+            # Paused (issue 28): nothing is scheduled, so wait on the command queue rather
+            # than spin; a step still runs after each wake-up, to hand back what the pause
+            # ended (its outputs come from `step()`).
+            busy = self.engine.has_unfinished_requests() and not self.engine.is_paused
             worked = self._drain_commands(block=not busy)
             if self.engine.has_unfinished_requests():
                 self._step()  # refreshes stats itself
@@ -364,9 +367,13 @@ class AsyncEngine:
             fut = cmd[2]
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(cmd[1](self.engine))
+                    result = cmd[1](self.engine)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
+                    self._refresh_stats()
                     fut.set_exception(e)
+                else:  # stats first: /health read right after the call sees its effect
+                    self._refresh_stats()
+                    fut.set_result(result)
 
     def _add_group(self, requests: list[EngineRequest], fut: concurrent.futures.Future) -> None:
         if not fut.set_running_or_notify_cancel():
