@@ -11,7 +11,7 @@ import functools
 
 import pytest
 
-from conftest import tiny_engine, tiny_params
+from conftest import drain, tiny_engine, tiny_params
 from jaxserve.sampling_params import SamplingParams
 
 PROMPTS = {"a": [5, 9, 13, 2], "b": [7, 7, 3], "c": [11, 4, 6, 8, 1]}
@@ -26,15 +26,6 @@ def params(seed):
 
 def greedy(n=N):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-
-
-def drain(eng, outs=None):
-    """Step until idle; request_id -> its final RequestOutput."""
-    outs = {} if outs is None else outs
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            outs[o.request_id] = o
-    return outs
 
 
 def reference(eng, seed, prompts, n=N):
