@@ -4,9 +4,16 @@ generation around a weight swap (issue 28).
 POST /admin/pause {"mode": "abort"|"wait"|"keep"|"retract"} and POST /admin/resume
 are vLLM's `pause_generation(mode=...)` / `resume_generation()` (SGLang's
 /pause_generation and /continue_generation): see `LLMEngine.pause_generation` for the
-modes. While paused, requests are accepted and wait; /health reports `"paused": true`
-and the mode. Pausing twice or resuming when not paused is a 409; an unknown mode a
-400 naming the choices. Like the weight route, they exist only with an API key.
+modes ("wait" answers once the running requests finished). While paused, requests
+are accepted and wait; /health reports `"paused": true` and the mode. Pausing twice or
+resuming when not paused is a 409; an unknown mode a 400 naming the choices.
+
+POST /admin/sleep {"level": 1|2, "mode", "reject_new", "discard_weights"} and
+POST /admin/wake_up {"tags": ["weights", "kv_cache"] | null} are vLLM's /sleep and
+/wake_up (`LLMEngine.sleep` / `wake_up`): level 1 frees the KV cache, level 2 the
+weights too. While asleep, requests wait for the wake, or with `reject_new` get a 503
+at once; /health reports `"is_sleeping": true`. Sleeping twice or waking when awake
+is a 409. Like the weight route, all of these exist only with an API key.
 
 POST /admin/update_weights_from_disk {"model_path": "..."} (SGLang's
 `update_weights_from_disk` is the anchor; its field name). The checkpoint is read
@@ -45,6 +52,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from jaxserve.engine.pause import check_mode
+from jaxserve.engine.sleep import SLEEP_TAGS
 from jaxserve.server.protocol import APIError
 
 
@@ -54,6 +62,23 @@ class UpdateWeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model_path: str
     in_flight: str = "abort"
+
+
+class SleepRequest(BaseModel):
+    """Body of POST /admin/sleep (see `LLMEngine.sleep`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    level: int = 1
+    mode: str = "abort"
+    reject_new: bool = False
+    discard_weights: bool = False
+
+
+class WakeUpRequest(BaseModel):
+    """Body of POST /admin/wake_up (vLLM's `tags`; None: everything)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tags: list[str] | None = None
 
 
 class PauseRequest(BaseModel):
@@ -183,7 +208,8 @@ def install_admin_routes(app: FastAPI, aengine: Any, *, api_key: str | None,
 
 
 def install_pause_routes(app: FastAPI, aengine: Any, *, auth: Any) -> None:
-    """POST /admin/pause and /admin/resume (see the module docstring), behind `auth`."""
+    """POST /admin/pause, /admin/resume, /admin/sleep and /admin/wake_up (see the module
+    docstring), behind `auth`."""
 
     @app.post("/admin/pause", dependencies=[Depends(auth)])
     async def pause(req: PauseRequest) -> JSONResponse:
@@ -199,3 +225,31 @@ def install_pause_routes(app: FastAPI, aengine: Any, *, auth: Any) -> None:
     async def resume() -> JSONResponse:
         await engine_call(aengine, lambda eng: eng.resume_generation(), "resume")
         return JSONResponse({"success": True, "paused": False})
+
+    @app.post("/admin/sleep", dependencies=[Depends(auth)])
+    async def sleep(req: SleepRequest) -> JSONResponse:
+        if pause_mode(req.mode, "mode") == "keep":
+            raise APIError(400, "mode='keep': sleeping frees the KV cache, so running "
+                           "requests cannot keep theirs; use 'abort', 'wait' or 'retract'",
+                           param="mode")
+        if req.level not in (1, 2):
+            raise APIError(400, f"level={req.level}: must be 1 (free the KV cache) or 2 "
+                           "(also the weights)", param="level")
+        stats = await engine_call(aengine, lambda eng: (eng.sleep(
+            req.level, mode=req.mode, reject_new=req.reject_new,
+            discard_weights=req.discard_weights), eng.get_stats())[1], "sleep")
+        return JSONResponse({"success": True, "is_sleeping": True, "level": req.level,
+                             "kv_cache_bytes": stats.get("kv_cache_bytes"),
+                             "weights_bytes": stats.get("weights_bytes")})
+
+    @app.post("/admin/wake_up", dependencies=[Depends(auth)])
+    async def wake_up(req: WakeUpRequest | None = None) -> JSONResponse:
+        tags = None if req is None else req.tags
+        if tags is not None and (not tags or set(tags) - set(SLEEP_TAGS)):
+            raise APIError(400, f"tags={tags}: expected a non-empty subset of "
+                           f"{list(SLEEP_TAGS)}", param="tags")
+        stats = await engine_call(aengine, lambda eng: (eng.wake_up(tags),
+                                                        eng.get_stats())[1], "wake_up")
+        return JSONResponse({"success": True, "is_sleeping": stats["is_sleeping"],
+                             "kv_cache_bytes": stats.get("kv_cache_bytes"),
+                             "weights_bytes": stats.get("weights_bytes")})

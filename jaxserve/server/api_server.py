@@ -208,7 +208,8 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
             st = aengine.stats  # paused (issue 28): alive, requests wait for the resume
             return JSONResponse({"status": "ok", **aengine.readiness(),
                                  "paused": bool(st.get("paused")),
-                                 "pause_mode": st.get("pause_mode")})
+                                 "pause_mode": st.get("pause_mode"),
+                                 "is_sleeping": bool(st.get("is_sleeping"))})
         msg = {"starting": "warming up", "failed": f"engine failed: {aengine.error}"}.get(
             aengine.state, aengine.state)
         return _error_response(APIError(503, msg))

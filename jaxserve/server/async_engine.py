@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Union
 
+from jaxserve.errors import EngineSleepingError
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -396,11 +397,14 @@ class AsyncEngine:
                 ids = self.engine.add_request(r.request_id, r.prompt, r.params,
                                               messages=r.messages, priority=r.priority)
             except Exception as e:  # noqa: BLE001 - reported to the caller
-                if not isinstance(e, ValueError):  # an engine gap, not a user error: log it
+                if not isinstance(e, (ValueError, EngineSleepingError)):  # an engine gap: log
                     logger.exception("add_request(%s) raised %s", r.request_id, type(e).__name__)
                 for rid in added:
                     self.engine.abort(rid)
                     self._in_flight.discard(rid)
+                if isinstance(e, EngineSleepingError):  # the group's 503, not a bad request
+                    fut.set_exception(e)
+                    return
                 err = e if isinstance(e, ValueError) else ValueError(f"{type(e).__name__}: {e}")
                 fut.set_exception(AddRequestError(i, err))
                 return

@@ -1,4 +1,4 @@
-"""POST /admin/pause, /admin/resume and /health's pause report (issue 28), over HTTP.
+"""POST /admin/pause, /admin/resume, /admin/sleep, /admin/wake_up and /health's report (issue 28).
 
 The engine is the FakeRunner one (counting tokens, 20 ms a step, so a request of 40
 tokens is in flight for ~0.8 s). References are the same request sent while nothing
@@ -150,3 +150,53 @@ def test_bad_calls_are_clear_errors(srv):
     assert health(srv)["pause_mode"] == "keep"  # the refused pause changed nothing
     assert post(srv, "/admin/resume").status_code == 200
     assert health(srv)["paused"] is False
+
+
+@fake_only
+def test_sleep_and_wake_over_http(srv, reference):
+    """Sleep (retract) with a request in flight: it and one sent while asleep wait, and
+    finish unchanged after the wake; with reject_new a request is a 503 at once."""
+    box: dict = {}
+    th = in_flight(srv, box)
+    r = post(srv, "/admin/sleep", {"level": 1, "mode": "retract"})
+    assert r.status_code == 200 and r.json()["is_sleeping"] is True, r.text
+    h = health(srv)
+    assert h["is_sleeping"] is True and h["paused"] is True
+    late = complete_in_thread(srv, box, "late")
+    wait_for(lambda: stats(srv)["num_waiting"] == 2)
+    assert "r" not in box and "late" not in box
+    r = post(srv, "/admin/sleep", {"level": 2})
+    assert r.status_code == 409 and "already asleep" in r.json()["error"]["message"]
+    r = post(srv, "/admin/resume")
+    assert r.status_code == 409 and "wake_up" in r.json()["error"]["message"]
+    assert post(srv, "/admin/wake_up", {"tags": ["kv_cache"]}).json()["is_sleeping"] is False
+    th.join(30)
+    late.join(30)
+    for key in ("r", "late"):
+        assert box[key].status_code == 200, box[key].text
+        assert box[key].json()["choices"][0]["text"] == reference["text"]
+    assert health(srv)["is_sleeping"] is False and health(srv)["paused"] is False
+
+    assert post(srv, "/admin/sleep", {"level": 2, "reject_new": True}).status_code == 200
+    r = post(srv, "/v1/completions", BODY)
+    assert r.status_code == 503 and "reject_new=True" in r.json()["error"]["message"]
+    assert post(srv, "/admin/wake_up").status_code == 200  # no body: everything
+    r = post(srv, "/v1/completions", BODY)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference["text"]
+
+
+def test_bad_sleep_calls_are_clear_errors(srv):
+    r = post(srv, "/admin/wake_up")
+    assert r.status_code == 409 and "not asleep" in r.json()["error"]["message"]
+    for body, param, words in [({"level": 3}, "level", "level=3"),
+                               ({"mode": "keep"}, "mode", "cannot keep"),
+                               ({"mode": "nap"}, "mode", "'nap'")]:
+        r = post(srv, "/admin/sleep", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert words in r.json()["error"]["message"]
+    post(srv, "/admin/sleep", {})
+    r = post(srv, "/admin/wake_up", {"tags": ["kv"]})
+    assert r.status_code == 400 and "kv_cache" in r.json()["error"]["message"]
+    assert health(srv)["is_sleeping"] is True  # the refused wake changed nothing
+    assert post(srv, "/admin/wake_up", {"tags": None}).status_code == 200
+    assert health(srv)["is_sleeping"] is False
