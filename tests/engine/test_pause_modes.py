@@ -107,13 +107,20 @@ def test_keep_mode_goes_on_with_its_kv(eng):
     eng.update_params(params(0), in_flight="keep")
     outs = drain(eng)
     assert {rid: outs[rid].outputs[0].token_ids for rid in PROMPTS} == ref_a
-    # new weights under keep: A's tokens up to the boundary, then B's sampling
+    # the two halves by hand: K steps on A, then the runner's weights swapped under the
+    # running requests (no pause, no engine bookkeeping), the rest on B over A's KV
+    eng.update_params(params(0))
+    start(eng)
+    eng.runner.update_params(params(1))
+    by_hand = {rid: o.outputs[0].token_ids for rid, o in drain(eng).items()}
+    assert any(by_hand[rid][K:] != ref_a[rid][K:] for rid in PROMPTS)  # the swap shows
+    # new weights under keep: exactly the hand-run tokens, switching at the boundary
     outs, v = swap_in_flight(eng, "keep")
     for rid in PROMPTS:
         c = outs[rid].outputs[0]
         assert c.finish_reason == "length" and len(c.token_ids) == N
         assert c.token_weight_versions == [v] * K + [v + 1] * (N - K)
-        assert c.token_ids[:K] == ref_a[rid][:K]
+        assert c.token_ids[:K] == ref_a[rid][:K] and c.token_ids == by_hand[rid]
     assert used(eng) == 0
 
 
