@@ -130,6 +130,15 @@ def test_requests_in_flight_follow_the_mode_and_new_ones_wait(eng):
     for rid, p in PROMPTS.items():
         eng.add_request(rid, p, sp[rid])
     eng.step()
+    eng.sleep(1, mode="wait")  # runs them to the end first; the sleep frees an idle pool
+    assert eng.get_stats()["kv_cache_bytes"] == 0
+    outs = drain(eng)  # their outputs come back from the next step
+    assert {rid: outs[rid].outputs[0].token_ids for rid in PROMPTS} == {
+        rid: ref[rid][0] for rid in PROMPTS}
+    eng.wake_up()
+    for rid, p in PROMPTS.items():
+        eng.add_request(rid, p, sp[rid])
+    eng.step()
     eng.sleep(1)  # "abort", vLLM's default
     outs = drain(eng)
     for rid in PROMPTS:
