@@ -34,8 +34,9 @@ Rules:
   (`LLMEngine.update_params(params, in_flight=...)`): "abort" (the default) fails them
   (their clients get a 500 naming both weight versions), "wait" drains them on the old
   weights first, "keep" and "retract" continue them on the new weights. Later
-  requests use the new weights. Sent while paused, the swap happens inside that pause. The tokenizer is kept; the new checkpoint must have the same
-  architecture and shapes (else 400 naming the leaf, and the old weights keep serving).
+  requests use the new weights. Sent while paused, the swap happens inside that pause.
+  The tokenizer is kept; the new checkpoint must have the same architecture and
+  shapes (else 400 naming the leaf, and the old weights keep serving).
 """
 
 from __future__ import annotations
@@ -235,6 +236,9 @@ def install_pause_routes(app: FastAPI, aengine: Any, *, auth: Any) -> None:
         if req.level not in (1, 2):
             raise APIError(400, f"level={req.level}: must be 1 (free the KV cache) or 2 "
                            "(also the weights)", param="level")
+        if req.discard_weights and req.level != 2:
+            raise APIError(400, f"discard_weights=true needs level 2, got level={req.level}",
+                           param="discard_weights")
         stats = await engine_call(aengine, lambda eng: (eng.sleep(
             req.level, mode=req.mode, reject_new=req.reject_new,
             discard_weights=req.discard_weights), eng.get_stats())[1], "sleep")

@@ -1,7 +1,8 @@
 """`jaxserve serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-POST /tokenize, POST /detokenize (vLLM's), GET /health, GET /metrics. Every error is OpenAI's
+POST /tokenize, POST /detokenize (vLLM's), GET /health, GET /metrics, and with an API key
+the /admin/ routes (`jaxserve.server.admin`: weights, pause, sleep). Every error is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`: FastAPI's 422 validation
 errors and malformed JSON become 400 naming the field, unknown routes 404,
 a missing/wrong bearer key 401 (only /v1/* is protected), warming up or

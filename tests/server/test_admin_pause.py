@@ -190,7 +190,9 @@ def test_bad_sleep_calls_are_clear_errors(srv):
     assert r.status_code == 409 and "not asleep" in r.json()["error"]["message"]
     for body, param, words in [({"level": 3}, "level", "level=3"),
                                ({"mode": "keep"}, "mode", "cannot keep"),
-                               ({"mode": "nap"}, "mode", "'nap'")]:
+                               ({"mode": "nap"}, "mode", "'nap'"),
+                               ({"level": 1, "discard_weights": True}, "discard_weights",
+                                "needs level 2")]:
         r = post(srv, "/admin/sleep", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert words in r.json()["error"]["message"]
