@@ -28,3 +28,9 @@ def quote(value: Any) -> str:
     """repr of `value`, cut to a readable length for error messages."""
     s = repr(value)
     return s if len(s) <= _MAX_QUOTE else s[:_MAX_QUOTE - 3] + "..."
+
+
+class EngineSleepingError(RuntimeError):
+    """A request was refused because the engine is asleep and refuses new work
+    (`LLMEngine.sleep(..., reject_new=True)`, or the offline `LLM` while asleep);
+    the server answers 503."""

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.engine.input_processor import is_array, split_padded
+from jaxserve.errors import EngineSleepingError
 from jaxserve.outputs import RequestOutput, RolloutBatch, ScoreBatch, rollout_arrays
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.validation import is_int
@@ -152,6 +153,21 @@ class LLM:
         """Resume after `pause_generation`; ValueError when not paused."""
         self.engine.resume_generation()
 
+    def sleep(self, level: int = 1, *, mode: str = "abort",
+              discard_weights: bool = False) -> None:
+        """Free device memory until `wake_up()`: level 1 the KV cache, level 2 also the
+        weights (to host memory, or dropped with `discard_weights`: send new ones with
+        `update_params` first). See `LLMEngine.sleep`; `generate` raises while asleep."""
+        self.engine.sleep(level, mode=mode, discard_weights=discard_weights)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what `sleep` freed (`tags`: "weights", "kv_cache"; None: both)."""
+        self.engine.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
     @property
     def weight_version(self) -> int:
         """0 for the weights the engine was built with, +1 per `update_params`."""
@@ -161,6 +177,7 @@ class LLM:
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                 lengths: Any = None, mask: Any = None,
                 priority: int | Sequence[int] = 0) -> list[str]:
+        self._check_awake()
         plist = _prompt_list(prompts, lengths, mask)
         # A scalar priority applies to every prompt; a list gives one per prompt (vLLM).
         prlist = [priority] * len(plist) if is_int(priority) else list(priority)
@@ -190,6 +207,13 @@ class LLM:
                 self.engine.abort(rid)
             raise
         return ids
+
+    def _check_awake(self) -> None:
+        """EngineSleepingError while asleep: nothing would step the requests."""
+        if self.engine.is_sleeping:
+            raise EngineSleepingError(f"the engine is asleep (level "
+                                      f"{self.engine.sleeper.state.level}); call "
+                                      f"llm.wake_up() before generating or scoring")
 
     def generate_stream(self, prompts: Prompt | Sequence[Prompt],
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -292,6 +316,7 @@ class LLM:
         """
         if array not in ("numpy", "jax"):
             raise ValueError(f"array={array!r} must be 'numpy' or 'jax'")
+        self._check_awake()
         if not self.engine.config.enable_prompt_logprobs:
             raise ValueError("score() needs an engine built with enable_prompt_logprobs=True")
         prompts = _token_rows(prompt_ids, prompt_lengths, "prompt_ids")

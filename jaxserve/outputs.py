@@ -82,6 +82,40 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+class ListPrefix:
+    """The first `n` entries of an append-only list, copied only when read.
+
+    The engine sets one as a completion's `token_weight_versions`, so each step costs
+    O(1) per row instead of a copy of every version so far; the entries below `n` never
+    change, so the copy made on first read equals one made at that step.
+    """
+
+    __slots__ = ("base", "n")
+
+    def __init__(self, base: list, n: int):
+        self.base, self.n = base, n
+
+    def materialize(self) -> list:
+        return self.base[:self.n]
+
+
+def _get_versions(self: CompletionOutput) -> list[int]:
+    v = self._token_weight_versions
+    if isinstance(v, ListPrefix):  # first read: the list it stands for, kept
+        v = self._token_weight_versions = v.materialize()
+    return v
+
+
+def _set_versions(self: CompletionOutput, value: list[int] | ListPrefix) -> None:
+    self._token_weight_versions = value
+
+
+# Installed after @dataclass: the field keeps its name, default, repr, eq and asdict (all
+# read through the property, which always gives a plain list); a ListPrefix is stored as is.
+CompletionOutput.token_weight_versions = property(  # type: ignore[assignment]
+    _get_versions, _set_versions, doc="The weight version each token was sampled under.")
+
+
 @dataclass
 class RequestOutput:
     """The state of one user request after an engine step."""

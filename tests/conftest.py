@@ -95,6 +95,15 @@ def tiny_engine(**engine_args):
     return engine
 
 
+def drain(eng, outs=None) -> dict:
+    """Step `eng` until idle; request_id -> its last RequestOutput (added to `outs`)."""
+    outs = {} if outs is None else outs
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    return outs
+
+
 @pytest.fixture
 def tokenizer():
     return tiny_tokenizer()

@@ -33,6 +33,7 @@ from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
 from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
 from jaxserve.engine.pause import Pauser, check_mode
 from jaxserve.engine.provenance import WeightProvenance
+from jaxserve.engine.sleep import Sleeper
 from jaxserve.outputs import RequestOutput
 from jaxserve.scheduler.request import RequestStatus
 from jaxserve.worker.runner import PromptLogprobs, RowError, Runner, SampledToken
@@ -145,6 +146,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of requests update_params failed
         self.pauser = Pauser(self.scheduler, self.outputs, self._step)  # issue 28
         self.provenance = WeightProvenance()  # issue 28: token_weight_versions
+        self.sleeper = Sleeper(self.scheduler, self.pauser, self.runner)  # issue 28: sleep
         self.grammars = None  # structured_output.GrammarCompiler (llguidance), with a tokenizer
         if tokenizer is not None:
             from jaxserve.structured_output import GrammarCompiler
@@ -178,7 +180,9 @@ class LLMEngine:
             output token under max_model_len, or a request the KV pool can
             never hold. Raised before anything is queued, so a rejected
             request leaks nothing.
+          EngineSleepingError: asleep with reject_new=True (see `sleep`).
         """
+        self.sleeper.check_admit(request_id)
         p = self.inputs.process(request_id, prompt, params, messages=messages, priority=priority,
                                 arrival_time=arrival_time, live_ids=self.outputs.live_ids(),
                                 logprob_start=logprob_start)
@@ -374,8 +378,52 @@ class LLMEngine:
         self._pending += self.pauser.pause(mode, msg)
 
     def resume_generation(self) -> None:
-        """Resume after `pause_generation`. Raises ValueError when not paused."""
+        """Resume after `pause_generation`. Raises ValueError when not paused, or when
+        the pause is a sleep's (`wake_up` ends that one)."""
+        if self.sleeper.is_sleeping and self.sleeper.state.own_pause:
+            raise ValueError("resume_generation: the engine is asleep; call wake_up()")
         self.pauser.resume()
+
+    def sleep(self, level: int = 1, *, mode: str = "abort", reject_new: bool = False,
+              discard_weights: bool = False) -> None:
+        """Free device memory until `wake_up()` (vLLM's `sleep(level, mode)`; issue 28).
+
+        Level 1 frees the KV cache; level 2 also moves the weights to host memory, or
+        drops them with `discard_weights` (send new ones with `update_params` before
+        waking). First pauses with `mode` ("abort" fails the requests in flight, "wait"
+        drains them, "retract" requeues them to recompute after the wake); the prefix
+        cache is forgotten. Requests added while asleep wait for the wake, unless
+        `reject_new` (then `add_request` raises `EngineSleepingError`). Compiled
+        programs stay: waking recompiles nothing. See `jaxserve.engine.sleep`.
+
+        Raises:
+          ValueError: already asleep, level not 1 or 2, mode "keep" or unknown,
+            discard_weights below level 2, or a caller's pause holding KV.
+          TypeError: the runner cannot sleep.
+        """
+        self.sleeper.sleep(level, mode=mode, reject_new=reject_new,
+                           discard_weights=discard_weights, pending=self._pending,
+                           abort_message=f"the engine went to sleep (level {level}) at "
+                                         f"weight version {self.weight_version}")
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what `sleep` freed: `tags` a subset of ("weights", "kv_cache") (vLLM's),
+        None for both; generation resumes once both are back.
+
+        Raises:
+          ValueError: not asleep, an unknown tag, or discarded weights never replaced.
+        """
+        self.sleeper.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True between `sleep` and the `wake_up` that restores everything."""
+        return self.sleeper.is_sleeping
+
+    @property
+    def is_paused(self) -> bool:
+        """True between `pause_generation` and `resume_generation` (vLLM's `is_paused`)."""
+        return self.pauser.paused
 
     # -------------------------------------------------------------- control
     def abort(self, request_id: str) -> bool:
@@ -435,4 +483,6 @@ class LLMEngine:
             "last_step_tokens": self.last_step_tokens,
             "weight_version": self.weight_version,
             "paused": self.pauser.paused,
+            "pause_mode": self.pauser.mode,
+            **self.sleeper.stats(),  # is_sleeping, sleep_level, device bytes held
         }

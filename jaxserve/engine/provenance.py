@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import ListPrefix, RequestOutput
 
 
 class WeightProvenance:
@@ -47,13 +47,18 @@ class WeightProvenance:
 
     def fill(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Set `token_weight_versions` on each completion (one int per token id);
-        forget the requests that finished. Returns `outputs`."""
+        forget the requests that finished. Returns `outputs`.
+
+        O(1) per completion: each gets a `ListPrefix` of its child's version list,
+        which `record` only appends to (and `drop` only unlinks), so the prefix read
+        later equals the versions at this step."""
         for o in outputs:
             kids = self._children.get(o.request_id)
             if kids is None:
                 continue
-            for c in o.outputs:
-                c.token_weight_versions = list(self.versions[kids[c.index]][:len(c.token_ids)])
+            for c in o.outputs:  # O(1): copied when read (`versions` lists only grow)
+                c.token_weight_versions = ListPrefix(self.versions[kids[c.index]],
+                                                     len(c.token_ids))
             if o.finished:
                 self.drop(o.request_id)
         return outputs

@@ -1,4 +1,19 @@
-"""Admin route: load new weights from a checkpoint on disk without restarting.
+"""Admin routes: load new weights from disk without restarting; pause and resume
+generation around a weight swap (issue 28).
+
+POST /admin/pause {"mode": "abort"|"wait"|"keep"|"retract"} and POST /admin/resume
+are vLLM's `pause_generation(mode=...)` / `resume_generation()` (SGLang's
+/pause_generation and /continue_generation): see `LLMEngine.pause_generation` for the
+modes ("wait" answers once the running requests finished). While paused, requests
+are accepted and wait; /health reports `"paused": true` and the mode. Pausing twice or
+resuming when not paused is a 409; an unknown mode a 400 naming the choices.
+
+POST /admin/sleep {"level": 1|2, "mode", "reject_new", "discard_weights"} and
+POST /admin/wake_up {"tags": ["weights", "kv_cache"] | null} are vLLM's /sleep and
+/wake_up (`LLMEngine.sleep` / `wake_up`): level 1 frees the KV cache, level 2 the
+weights too. While asleep, requests wait for the wake, or with `reject_new` get a 503
+at once; /health reports `"is_sleeping": true`. Sleeping twice or waking when awake
+is a 409. Like the weight route, all of these exist only with an API key.
 
 POST /admin/update_weights_from_disk {"model_path": "..."} (SGLang's
 `update_weights_from_disk` is the anchor; its field name). The checkpoint is read
@@ -15,10 +30,13 @@ Rules:
   followed, inside that directory; otherwise 403 naming the path and the dir.
   Without the flag it answers 403 saying so.
 - One update at a time: a second one while the first is loading or swapping is 409.
-- Requests in flight when the weights swap are failed, as `update_params` documents
-  (their clients get a 500 naming both weight versions); later requests use the
-  new weights. The tokenizer is kept; the new checkpoint must have the same
-  architecture and shapes (else 400 naming the leaf, and the old weights keep serving).
+- Requests in flight when the weights swap follow the body's `in_flight` pause mode
+  (`LLMEngine.update_params(params, in_flight=...)`): "abort" (the default) fails them
+  (their clients get a 500 naming both weight versions), "wait" drains them on the old
+  weights first, "keep" and "retract" continue them on the new weights. Later
+  requests use the new weights. Sent while paused, the swap happens inside that pause.
+  The tokenizer is kept; the new checkpoint must have the same architecture and
+  shapes (else 400 naming the leaf, and the old weights keep serving).
 """
 
 from __future__ import annotations
@@ -34,14 +52,65 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from jaxserve.engine.pause import check_mode
+from jaxserve.engine.sleep import SLEEP_TAGS
 from jaxserve.server.protocol import APIError
 
 
 class UpdateWeightsRequest(BaseModel):
-    """Body of POST /admin/update_weights_from_disk."""
+    """Body of POST /admin/update_weights_from_disk (`in_flight`: a pause mode)."""
 
     model_config = ConfigDict(extra="forbid")
     model_path: str
+    in_flight: str = "abort"
+
+
+class SleepRequest(BaseModel):
+    """Body of POST /admin/sleep (see `LLMEngine.sleep`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    level: int = 1
+    mode: str = "abort"
+    reject_new: bool = False
+    discard_weights: bool = False
+
+
+class WakeUpRequest(BaseModel):
+    """Body of POST /admin/wake_up (vLLM's `tags`; None: everything)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tags: list[str] | None = None
+
+
+class PauseRequest(BaseModel):
+    """Body of POST /admin/pause (vLLM's `mode`; default "abort", as vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: str = "abort"
+
+
+def pause_mode(mode: str, field: str) -> str:
+    """`mode` if it is a pause mode, else APIError(400) naming the field and the choices."""
+    try:
+        return check_mode(mode)
+    except ValueError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from e
+
+
+async def engine_call(aengine: Any, fn: Callable[[Any], Any], what: str) -> Any:
+    """`aengine.call(fn)`; the engine's ValueError (a call that does not fit its state,
+    e.g. resume when not paused) becomes a 409 naming `what`.
+
+    Raises:
+      APIError(503): the engine is not ready.
+      APIError(409): the engine refused the call for its state.
+    """
+    if not aengine.is_ready:
+        raise APIError(503, f"engine is {aengine.state}")
+    try:
+        return await aengine.call(fn)
+    except ValueError as e:
+        raise APIError(409, f"{what}: {e}") from e
 
 
 def resolve_under(path: str, allowed_dir: str) -> Path:
@@ -92,6 +161,7 @@ def install_admin_routes(app: FastAPI, aengine: Any, *, api_key: str | None,
     if api_key is None:
         return
     busy = threading.Lock()
+    install_pause_routes(app, aengine, auth=auth)
 
     @app.post("/admin/update_weights_from_disk", dependencies=[Depends(auth)])
     async def update_weights_from_disk(req: UpdateWeightsRequest) -> JSONResponse:
@@ -100,6 +170,7 @@ def install_admin_routes(app: FastAPI, aengine: Any, *, api_key: str | None,
                            "--allowed_weights_dir", param="model_path")
         if not aengine.is_ready:
             raise APIError(503, f"engine is {aengine.state}")
+        pause_mode(req.in_flight, "in_flight")
         real = resolve_under(req.model_path, allowed_weights_dir)
         if not busy.acquire(blocking=False):
             raise APIError(409, "a weight update is already in progress; retry when it is done")
@@ -124,7 +195,8 @@ def install_admin_routes(app: FastAPI, aengine: Any, *, api_key: str | None,
                                f"from the served model's in {diff}", param="model_path")
             t1 = time.perf_counter()
             try:
-                version = await aengine.call(lambda eng: eng.update_params(params))
+                version = await aengine.call(
+                    lambda eng: eng.update_params(params, in_flight=req.in_flight))
             except ValueError as e:  # shapes/dtypes that do not fit the served model
                 raise APIError(400, f"model_path={req.model_path!r}: {e}",
                                param="model_path") from e
@@ -134,3 +206,54 @@ def install_admin_routes(app: FastAPI, aengine: Any, *, api_key: str | None,
         return JSONResponse({"success": True, "message": f"loaded {str(real)!r}",
                              "weight_version": version, "load_seconds": round(t1 - t0, 3),
                              "swap_seconds": round(t2 - t1, 3)})
+
+
+def install_pause_routes(app: FastAPI, aengine: Any, *, auth: Any) -> None:
+    """POST /admin/pause, /admin/resume, /admin/sleep and /admin/wake_up (see the module
+    docstring), behind `auth`."""
+
+    @app.post("/admin/pause", dependencies=[Depends(auth)])
+    async def pause(req: PauseRequest) -> JSONResponse:
+        mode = pause_mode(req.mode, "mode")
+        stats = await engine_call(aengine, lambda eng: (eng.pause_generation(mode),
+                                                        eng.get_stats())[1], "pause")
+        return JSONResponse({"success": True, "paused": True, "mode": mode,
+                             "weight_version": stats["weight_version"],
+                             "num_running": stats["num_running"],
+                             "num_waiting": stats["num_waiting"]})
+
+    @app.post("/admin/resume", dependencies=[Depends(auth)])
+    async def resume() -> JSONResponse:
+        await engine_call(aengine, lambda eng: eng.resume_generation(), "resume")
+        return JSONResponse({"success": True, "paused": False})
+
+    @app.post("/admin/sleep", dependencies=[Depends(auth)])
+    async def sleep(req: SleepRequest) -> JSONResponse:
+        if pause_mode(req.mode, "mode") == "keep":
+            raise APIError(400, "mode='keep': sleeping frees the KV cache, so running "
+                           "requests cannot keep theirs; use 'abort', 'wait' or 'retract'",
+                           param="mode")
+        if req.level not in (1, 2):
+            raise APIError(400, f"level={req.level}: must be 1 (free the KV cache) or 2 "
+                           "(also the weights)", param="level")
+        if req.discard_weights and req.level != 2:
+            raise APIError(400, f"discard_weights=true needs level 2, got level={req.level}",
+                           param="discard_weights")
+        stats = await engine_call(aengine, lambda eng: (eng.sleep(
+            req.level, mode=req.mode, reject_new=req.reject_new,
+            discard_weights=req.discard_weights), eng.get_stats())[1], "sleep")
+        return JSONResponse({"success": True, "is_sleeping": True, "level": req.level,
+                             "kv_cache_bytes": stats.get("kv_cache_bytes"),
+                             "weights_bytes": stats.get("weights_bytes")})
+
+    @app.post("/admin/wake_up", dependencies=[Depends(auth)])
+    async def wake_up(req: WakeUpRequest | None = None) -> JSONResponse:
+        tags = None if req is None else req.tags
+        if tags is not None and (not tags or set(tags) - set(SLEEP_TAGS)):
+            raise APIError(400, f"tags={tags}: expected a non-empty subset of "
+                           f"{list(SLEEP_TAGS)}", param="tags")
+        stats = await engine_call(aengine, lambda eng: (eng.wake_up(tags),
+                                                        eng.get_stats())[1], "wake_up")
+        return JSONResponse({"success": True, "is_sleeping": stats["is_sleeping"],
+                             "kv_cache_bytes": stats.get("kv_cache_bytes"),
+                             "weights_bytes": stats.get("weights_bytes")})

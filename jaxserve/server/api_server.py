@@ -1,7 +1,8 @@
 """`jaxserve serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-POST /tokenize, POST /detokenize (vLLM's), GET /health, GET /metrics. Every error is OpenAI's
+POST /tokenize, POST /detokenize (vLLM's), GET /health, GET /metrics, and with an API key
+the /admin/ routes (`jaxserve.server.admin`: weights, pause, sleep). Every error is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`: FastAPI's 422 validation
 errors and malformed JSON become 400 naming the field, unknown routes 404,
 a missing/wrong bearer key 401 (only /v1/* is protected), warming up or
@@ -205,7 +206,11 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
     @app.get("/health")
     async def health() -> Response:
         if aengine.is_ready:  # progressive warm-up: serving while the rest compile
-            return JSONResponse({"status": "ok", **aengine.readiness()})
+            st = aengine.stats  # paused (issue 28): alive, requests wait for the resume
+            return JSONResponse({"status": "ok", **aengine.readiness(),
+                                 "paused": bool(st.get("paused")),
+                                 "pause_mode": st.get("pause_mode"),
+                                 "is_sleeping": bool(st.get("is_sleeping"))})
         msg = {"starting": "warming up", "failed": f"engine failed: {aengine.error}"}.get(
             aengine.state, aengine.state)
         return _error_response(APIError(503, msg))

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Union
 
+from jaxserve.errors import EngineSleepingError
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -320,7 +321,10 @@ class AsyncEngine:
         self._refresh_stats()
         self._ready.set()
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished_requests()
+            # Paused (issue 28): nothing is scheduled, so wait on the command queue rather
+            # than spin; a step still runs after each wake-up, to hand back what the pause
+            # ended (its outputs come from `step()`).
+            busy = self.engine.has_unfinished_requests() and not self.engine.is_paused
             worked = self._drain_commands(block=not busy)
             if self.engine.has_unfinished_requests():
                 self._step()  # refreshes stats itself
@@ -364,9 +368,13 @@ class AsyncEngine:
             fut = cmd[2]
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(cmd[1](self.engine))
+                    result = cmd[1](self.engine)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
+                    self._refresh_stats()
                     fut.set_exception(e)
+                else:  # stats first: /health read right after the call sees its effect
+                    self._refresh_stats()
+                    fut.set_result(result)
 
     def _add_group(self, requests: list[EngineRequest], fut: concurrent.futures.Future) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -389,11 +397,14 @@ class AsyncEngine:
                 ids = self.engine.add_request(r.request_id, r.prompt, r.params,
                                               messages=r.messages, priority=r.priority)
             except Exception as e:  # noqa: BLE001 - reported to the caller
-                if not isinstance(e, ValueError):  # an engine gap, not a user error: log it
+                if not isinstance(e, (ValueError, EngineSleepingError)):  # an engine gap: log
                     logger.exception("add_request(%s) raised %s", r.request_id, type(e).__name__)
                 for rid in added:
                     self.engine.abort(rid)
                     self._in_flight.discard(rid)
+                if isinstance(e, EngineSleepingError):  # the group's 503, not a bad request
+                    fut.set_exception(e)
+                    return
                 err = e if isinstance(e, ValueError) else ValueError(f"{type(e).__name__}: {e}")
                 fut.set_exception(AddRequestError(i, err))
                 return

@@ -171,6 +171,7 @@ class FakeRunner:
         self.device_busy_s = self.device_wait_s = 0.0
         self._device_free_at = 0.0  # time.perf_counter() when the simulated device is idle
         self._stats = RunnerStats()
+        self.asleep: set[str] = set()  # the SLEEP_TAGS a sleep freed (no memory to free)
 
     @classmethod
     def for_config(cls, config: "EngineConfig", **kw) -> "FakeRunner":
@@ -274,6 +275,17 @@ class FakeRunner:
     def stats(self) -> RunnerStats:
         """Steps run per shape; no compile counters (nothing is compiled)."""
         return self._stats
+
+    def sleep(self, level: int, *, discard_weights: bool = False) -> None:
+        """Record what a sleep frees ("kv_cache"; level 2 also "weights"); nothing to free."""
+        self.asleep = {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        self.asleep -= set(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
 
     # ------------------------------------------------------------ driving a bare scheduler
     def step(self, step_time: Callable[[SchedulerOutput], float] | None = None) -> StepResult:

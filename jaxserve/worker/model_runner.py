@@ -56,6 +56,7 @@ from jaxserve.worker.layer_stack import LayerStackProgram, embed_fn, final_fn, l
 from jaxserve.worker.programs import StepBatch, _head_fn, _score_fn, _spec, _stack_fn
 from jaxserve.worker.runner import RowError, RowResult, RunnerStats, SampledToken
 from jaxserve.worker.scoring import merge_scores, scoring_plan, split_scores
+from jaxserve.worker.sleep import RunnerSleep
 from jaxserve.worker.warmup import Warmup
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class ModelRunner:
         self._param_specs = jax.tree.map(_spec, self.params)
         self._kv_specs = jax.tree.map(_spec, self.kv_cache)
         self._exec_cache = ExecutableCache(executable_cache_dir) if executable_cache_dir else None
+        self.sleeper = RunnerSleep(self)  # sleep / wake_up (issue 28)
 
     @property
     def token_cap(self) -> int | None:
@@ -216,7 +218,8 @@ class ModelRunner:
     def reset(self) -> bool:
         """After a failed step: a fresh zeroed cache if the failure consumed the donated
         one (any of its buffers is deleted); True then, since every cached KV row is gone."""
-        if not any(a.is_deleted() for a in jax.tree.leaves(self.kv_cache)):
+        if self.sleeper.is_sleeping or not any(a.is_deleted()
+                                               for a in jax.tree.leaves(self.kv_cache)):
             return False
         self.kv_cache = self._zero_kv_cache()
         return True
@@ -253,6 +256,24 @@ class ModelRunner:
                                  f"{n.shape} {n.dtype}, the engine's is {o.shape} {o.dtype}")
             placed.append(n if n.sharding == o.sharding else jax.device_put(n, o.sharding))
         self.params = jax.tree_util.tree_unflatten(old_def, placed)
+        self.sleeper.params_sent()
+
+    def sleep(self, level: int, *, discard_weights: bool = False) -> None:
+        """Free the KV cache (level 1) and the weights (level 2); see
+        `jaxserve.worker.sleep.RunnerSleep.sleep`. Programs are kept."""
+        self.sleeper.sleep(level, discard_weights=discard_weights)
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Restore what `tags` names ("weights", "kv_cache"); no recompile."""
+        self.sleeper.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleeper.is_sleeping
+
+    def memory(self) -> dict:
+        """Device bytes held by the KV cache and the weights (`RunnerSleep.memory`)."""
+        return self.sleeper.memory()
 
     def stats(self) -> RunnerStats:
         """Programs built / loaded / late, compile and warm-up seconds, steps per shape."""
@@ -318,6 +339,8 @@ class ModelRunner:
           RuntimeError: with `strict_compiles`, a shape warm-up did not build.
           Any device error of the step (the caller then calls `reset()`).
         """
+        if out.scheduled and self.sleeper.is_sleeping:  # before any state changes
+            raise RuntimeError("ModelRunner.execute: the runner is asleep; wake_up() first")
         states, missing = self.requests.update(out)
         if not out.scheduled:
             return {}

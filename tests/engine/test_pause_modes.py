@@ -11,7 +11,7 @@ import functools
 
 import pytest
 
-from conftest import tiny_engine, tiny_params
+from conftest import drain, tiny_engine, tiny_params
 from jaxserve.sampling_params import SamplingParams
 
 PROMPTS = {"a": [5, 9, 13, 2], "b": [7, 7, 3], "c": [11, 4, 6, 8, 1]}
@@ -26,15 +26,6 @@ def params(seed):
 
 def greedy(n=N):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-
-
-def drain(eng, outs=None):
-    """Step until idle; request_id -> its final RequestOutput."""
-    outs = {} if outs is None else outs
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            outs[o.request_id] = o
-    return outs
 
 
 def reference(eng, seed, prompts, n=N):
@@ -116,13 +107,20 @@ def test_keep_mode_goes_on_with_its_kv(eng):
     eng.update_params(params(0), in_flight="keep")
     outs = drain(eng)
     assert {rid: outs[rid].outputs[0].token_ids for rid in PROMPTS} == ref_a
-    # new weights under keep: A's tokens up to the boundary, then B's sampling
+    # the two halves by hand: K steps on A, then the runner's weights swapped under the
+    # running requests (no pause, no engine bookkeeping), the rest on B over A's KV
+    eng.update_params(params(0))
+    start(eng)
+    eng.runner.update_params(params(1))
+    by_hand = {rid: o.outputs[0].token_ids for rid, o in drain(eng).items()}
+    assert any(by_hand[rid][K:] != ref_a[rid][K:] for rid in PROMPTS)  # the swap shows
+    # new weights under keep: exactly the hand-run tokens, switching at the boundary
     outs, v = swap_in_flight(eng, "keep")
     for rid in PROMPTS:
         c = outs[rid].outputs[0]
         assert c.finish_reason == "length" and len(c.token_ids) == N
         assert c.token_weight_versions == [v] * K + [v + 1] * (N - K)
-        assert c.token_ids[:K] == ref_a[rid][:K]
+        assert c.token_ids[:K] == ref_a[rid][:K] and c.token_ids == by_hand[rid]
     assert used(eng) == 0
 
 
@@ -177,3 +175,26 @@ def test_abort_older_than_ends_exactly_the_older(eng):
     c = outs["new"].outputs[0]
     assert c.token_ids == ref_b["a"] and c.token_weight_versions == [v + 1] * N
     assert used(eng) == 0 and not eng.provenance.started
+
+
+def test_provenance_fill_is_o1_and_each_output_keeps_its_step():
+    """`WeightProvenance.fill` hands each completion a view of the version list (no copy
+    per step); a completion read after later steps still shows its own step's versions."""
+    from jaxserve.engine.provenance import WeightProvenance
+    from jaxserve.outputs import CompletionOutput, ListPrefix, RequestOutput
+
+    prov = WeightProvenance()
+    prov.add("r", ["r"], 3)
+    seen = []
+    for step, version in enumerate([3, 3, 4, 4, 4]):
+        prov.record(["r"], version)
+        c = CompletionOutput(index=0, token_ids=list(range(step + 1)))
+        prov.fill([RequestOutput("r", None, [1], [c], finished=False, metrics=None)])
+        assert c._token_weight_versions.base is prov.versions["r"]  # a view, not a copy
+        seen.append(c)
+    assert [c.token_weight_versions for c in seen] == [
+        [3], [3, 3], [3, 3, 4], [3, 3, 4, 4], [3, 3, 4, 4, 4]]
+    assert isinstance(seen[0]._token_weight_versions, list)  # read once, kept
+    short = CompletionOutput(index=0, token_ids=[7, 8])  # fewer tokens than versions
+    short.token_weight_versions = ListPrefix(prov.versions["r"], len(short.token_ids))
+    assert short.token_weight_versions == [3, 3]

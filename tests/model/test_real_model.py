@@ -76,3 +76,29 @@ def test_smollm2_engine_reproduces_hf_greedy(smollm2_engine):
     stats = engine.get_stats()
     assert stats["num_compiles_after_warmup"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_smollm2_sleep_and_wake_give_the_same_tokens(smollm2_engine):
+    """Issue 28 on SmolLM2: level 2 sleep (weights to the host, KV freed) then wake gives
+    the same greedy tokens as before the sleep, and nothing is recompiled."""
+    engine = smollm2_engine
+    golden = json.loads(GOLDEN.read_text())
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(tag):
+        for i, r in enumerate(golden["runs"][:2]):
+            engine.add_request(f"{tag}{i}", r["prompt_ids"], sp)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out.outputs[0].token_ids
+        return [done[f"{tag}{i}"] for i in range(2)]
+
+    before = run("s")
+    engine.sleep(2)
+    st = engine.get_stats()
+    assert st["is_sleeping"] and st["kv_cache_bytes"] == 0 and st["weights_bytes"] == 0
+    engine.wake_up()
+    assert run("w") == before
+    st = engine.get_stats()
+    assert st["num_compiles_after_warmup"] == 0 and st["weights"] == "device"

@@ -138,3 +138,33 @@ def test_update_swaps_weights_and_refuses_paths_outside(engine, ckpts, monkeypat
         assert second.status_code == 409 and "in progress" in second.json()["error"]["message"]
         assert first["r"].status_code == 200
         assert complete(srv) == greedy_reference(ckpts / "A", 4)
+
+
+def test_update_inside_a_pause_serves_waiting_requests_the_new_weights(engine, ckpts):
+    """Pause ("keep"), queue a completion (it waits), load B, resume: the completion is
+    B's greedy decode. The route's `in_flight` mode is checked before anything loads."""
+    with running_server(engine, served_model_name="m", api_key=KEY,
+                        allowed_weights_dir=str(ckpts)) as srv:
+        r = httpx.post(srv.url("/admin/update_weights_from_disk"), headers=AUTH, timeout=60,
+                       json={"model_path": "B", "in_flight": "drop"})
+        assert r.status_code == 400 and "'drop'" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "in_flight"
+        assert complete(srv) == greedy_reference(ckpts / "A", 4)  # nothing changed
+        assert httpx.post(srv.url("/admin/pause"), headers=AUTH,
+                          json={"mode": "keep"}).status_code == 200
+        box: dict = {}
+        th = threading.Thread(target=lambda: box.setdefault("toks", complete(srv)))
+        th.start()
+        deadline = time.monotonic() + 10
+        while srv.async_engine.stats.get("num_waiting") != 1:
+            assert time.monotonic() < deadline, "the completion was not queued"
+            time.sleep(0.01)
+        r = httpx.post(srv.url("/admin/update_weights_from_disk"), headers=AUTH, timeout=60,
+                       json={"model_path": "B", "in_flight": "retract"})
+        assert r.status_code == 200, r.text
+        assert "toks" not in box and httpx.get(srv.url("/health")).json()["paused"] is True
+        assert httpx.post(srv.url("/admin/resume"), headers=AUTH).status_code == 200
+        th.join(60)
+        assert box["toks"] == greedy_reference(ckpts / "B", 4)
+        r = update(srv, "A")  # in_flight defaults to "abort"; nothing in flight
+        assert r.status_code == 200 and complete(srv) == greedy_reference(ckpts / "A", 4)

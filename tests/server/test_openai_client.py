@@ -172,7 +172,8 @@ def test_models_endpoint(client, server):
     total = len(server.engine.bucket_policy.program_keys(  # every program ready
         score=server.engine.config.enable_prompt_logprobs))
     assert health == {"status": "ok", "programs_ready": total, "programs_total": total,
-                      "warmup_done": True}
+                      "warmup_done": True, "paused": False, "pause_mode": None,
+                      "is_sleeping": False}
 
 
 def test_async_client_concurrent_requests_all_complete(aclient):

@@ -202,7 +202,8 @@ def test_server_is_healthy_and_serves_during_progressive_warmup():
                 assert time.monotonic() < deadline, "engine did not become ready"
                 time.sleep(0.05)
             assert httpx.get(srv.url("/health")).json() == {
-                "status": "ok", "programs_ready": 2, "programs_total": 3, "warmup_done": False}
+                "status": "ok", "programs_ready": 2, "programs_total": 3, "warmup_done": False,
+                "paused": False, "pause_mode": None, "is_sleeping": False}
             during = _ask_all(srv)  # concurrent, all while the 32-token bucket is missing
             m = metrics_values(httpx.get(srv.url("/metrics")).text)
             assert m["jaxserve:programs_ready"] == 2 and m["jaxserve:warmup_done"] == 0
