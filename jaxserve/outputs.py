@@ -81,12 +81,19 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def num_tokens(self) -> int:
+        """len(token_ids), without copying a `ListPrefix` the engine stored there."""
+        v = self._token_ids
+        return v.n if isinstance(v, ListPrefix) else len(v)
+
 
 class ListPrefix:
     """The first `n` entries of an append-only list, copied only when read.
 
-    The engine sets one as a completion's `token_weight_versions`, so each step costs
-    O(1) per row instead of a copy of every version so far; the entries below `n` never
+    The engine sets one as a completion's `token_ids`, `token_logprobs`, `logprobs` and
+    `token_weight_versions`, so each step costs O(1) per row instead of a copy of every
+    token so far (vLLM V1 hands out its live lists instead); the entries below `n` never
     change, so the copy made on first read equals one made at that step.
     """
 
@@ -99,21 +106,31 @@ class ListPrefix:
         return self.base[:self.n]
 
 
-def _get_versions(self: CompletionOutput) -> list[int]:
-    v = self._token_weight_versions
-    if isinstance(v, ListPrefix):  # first read: the list it stands for, kept
-        v = self._token_weight_versions = v.materialize()
-    return v
+def _lazy_list(name: str, doc: str) -> property:
+    """A property over `_<name>` that turns a stored `ListPrefix` into its list on the
+    first read (and keeps that list); anything else is returned as stored."""
+    slot = "_" + name
+
+    def get(self: CompletionOutput) -> Any:
+        v = getattr(self, slot)
+        if isinstance(v, ListPrefix):
+            v = v.materialize()
+            setattr(self, slot, v)
+        return v
+
+    def set_(self: CompletionOutput, value: Any) -> None:
+        setattr(self, slot, value)
+    return property(get, set_, doc=doc)
 
 
-def _set_versions(self: CompletionOutput, value: list[int] | ListPrefix) -> None:
-    self._token_weight_versions = value
-
-
-# Installed after @dataclass: the field keeps its name, default, repr, eq and asdict (all
+# Installed after @dataclass: each field keeps its name, default, repr, eq and asdict (all
 # read through the property, which always gives a plain list); a ListPrefix is stored as is.
-CompletionOutput.token_weight_versions = property(  # type: ignore[assignment]
-    _get_versions, _set_versions, doc="The weight version each token was sampled under.")
+for _name, _doc in (("token_ids", "The output token ids so far."),
+                    ("token_logprobs", "The logprob of each output token."),
+                    ("logprobs", "Per output token {id: logprob}, when requested, else None."),
+                    ("token_weight_versions", "The weight version each token was sampled "
+                                              "under.")):
+    setattr(CompletionOutput, _name, _lazy_list(_name, _doc))
 
 
 @dataclass

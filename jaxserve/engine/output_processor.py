@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.input_processor import ProcessedRequest
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
 from jaxserve.scheduler.request import Request, RequestStatus
 from jaxserve.worker.runner import PromptLogprobs, SampledToken
 from jaxserve.scheduler.output import SchedulerOutput
@@ -298,12 +298,15 @@ class OutputProcessor:
 
     @staticmethod
     def _completion(c: _Child) -> CompletionOutput:
+        ids = c.request.output_token_ids  # append-only, as are the two logprob lists:
+        n = len(ids)  # a ListPrefix is O(1) now and copied when read
         out = CompletionOutput(
             index=c.index, text=c.detok.output_text if c.detok else "",
-            token_ids=list(c.request.output_token_ids), delta_text=c.delta_text,
-            delta_token_ids=c.delta_ids, logprobs=None if c.logprobs is None else list(c.logprobs),
+            token_ids=ListPrefix(ids, n), delta_text=c.delta_text,
+            delta_token_ids=c.delta_ids,
+            logprobs=None if c.logprobs is None else ListPrefix(c.logprobs, len(c.logprobs)),
             delta_logprobs=c.delta_logprobs if c.logprobs is not None else None,
-            token_logprobs=list(c.token_logprobs),
+            token_logprobs=ListPrefix(c.token_logprobs, len(c.token_logprobs)),
             cumulative_logprob=c.cumulative_logprob, finish_reason=c.request.finish_reason,
             stop_reason=c.stop_reason, error=c.error)
         c.delta_text, c.delta_ids, c.delta_logprobs = "", [], []

@@ -58,7 +58,7 @@ class WeightProvenance:
                 continue
             for c in o.outputs:  # O(1): copied when read (`versions` lists only grow)
                 c.token_weight_versions = ListPrefix(self.versions[kids[c.index]],
-                                                     len(c.token_ids))
+                                                     c.num_tokens)
             if o.finished:
                 self.drop(o.request_id)
         return outputs

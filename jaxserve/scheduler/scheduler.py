@@ -172,9 +172,7 @@ class Scheduler:
 
     def _chunk(self, n: int, budget: int) -> int:
         thr = self.config.long_prefill_token_threshold
-        if thr and n > thr:
-            n = thr
-        return budget if n > budget else n
+        return min(n, thr, budget) if thr else min(n, budget)
 
     def _schedule_running(self, budget: int, scheduled: dict[str, tuple[Request, int]],
                           preempted: list[Request], pending: set[bytes]) -> int:
@@ -471,10 +469,13 @@ class Scheduler:
         return held
 
     def restore_waiting(self, held: Any) -> None:
-        """Put a `set_aside_waiting` queue back; what waits now (preempted) goes first."""
-        first = [self.waiting.pop() for _ in range(len(self.waiting))]
-        for req in reversed(first):
+        """Put a `set_aside_waiting` queue back: the preempted meanwhile first, the added
+        meanwhile last."""
+        now = [self.waiting.pop() for _ in range(len(self.waiting))]
+        for req in reversed([r for r in now if r.status == RequestStatus.PREEMPTED]):
             held.push_front(req)
+        for req in (r for r in now if r.status != RequestStatus.PREEMPTED):
+            held.push(req)
         self.waiting = held
 
     def reset_prefix_cache(self) -> int:
@@ -489,9 +490,8 @@ class Scheduler:
         return bool(self.finish_requests((request_id,), RequestStatus.FINISHED_ABORTED))
 
     def preempt(self, request_id: str) -> bool:
-        """Test hook (cases C05): preempt a running request at the next schedule(), which
-        then admits nobody, so it resumes (recomputing prompt + outputs) the step after.
-        Returns False when it is not running now (it may still be preempted then)."""
+        """Test hook (C05): preempt a running request at the next schedule() (which admits
+        nobody); False when it is not running now (it may still be preempted then)."""
         req = self.requests.get(request_id)
         if req is None:
             raise ValueError(f"preempt: unknown or finished request_id={request_id!r}")

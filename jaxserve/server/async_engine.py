@@ -145,7 +145,7 @@ def _snapshot(out: RequestOutput) -> RequestDelta:
         CompletionDelta(
             index=c.index, text=c.delta_text, token_ids=tuple(c.delta_token_ids),
             logprobs=None if c.delta_logprobs is None else tuple(dict(d) for d in c.delta_logprobs),
-            num_tokens=len(c.token_ids), finish_reason=c.finish_reason,
+            num_tokens=c.num_tokens, finish_reason=c.finish_reason,
             stop_reason=c.stop_reason, error=c.error)
         for c in out.outputs)
     return RequestDelta(request_id=out.request_id, outputs=comps, finished=bool(out.finished),

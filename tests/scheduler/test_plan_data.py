@@ -115,3 +115,18 @@ def test_grammar_bitmask_travels_in_the_plan_and_a_dead_end_fails_its_row_alone(
     assert res.sampled["g"] == 40  # the scripted 35 is masked out: the next allowed id
     assert fr.finished["d"].finish_reason == "error"
     assert res.sampled["f"] == 35  # the unconstrained row is untouched
+
+
+def test_restore_waiting_puts_preempted_first_and_newcomers_after_the_held():
+    """A "wait" pause sets the queue aside; on resume the requests preempted meanwhile
+    go first, then the held ones, then those added during the pause (arrival order)."""
+    s = make_scheduler(budget=64, max_seqs=1)
+    s.add_request(make_req("run", 4))
+    s.add_request(make_req("held", 4))
+    fr = FakeRunner(s)
+    fr.step()  # "run" is running; "held" waits (max_seqs=1)
+    held = s.set_aside_waiting()
+    s.add_request(make_req("new", 4))  # arrives during the pause
+    assert s.retract_running() == ["run"]
+    s.restore_waiting(held)
+    assert [r.request_id for r in s.waiting] == ["run", "held", "new"]
