@@ -179,3 +179,18 @@ def test_logprobs_are_the_runners_top_alternatives_plus_the_chosen_token():
     final = run(eng, prompt="a", max_tokens=2, temperature=0, logprobs=2)[-1].outputs[0]
     assert final.logprobs[0] == pytest.approx({5: -0.1, 6: -1.1, 7: -2.1})
     assert final.cumulative_logprob == pytest.approx(-0.2)
+
+
+def test_each_step_output_keeps_its_own_token_lists():
+    """Cumulative fields are views copied when read (issue 24): an output read after
+    later steps still holds exactly the tokens of its own step, as plain lists."""
+    eng = fake()
+    outs = run(eng, prompt="a", temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    assert [o.outputs[0].num_tokens for o in outs] == [1, 2, 3, 4, 5, 6]
+    final = outs[-1].outputs[0]
+    assert final.token_ids == [5, 6, 7, 8, 9, 10]  # "a" (4) counts up, greedy
+    for k, o in enumerate(outs, start=1):  # read only now, after every step ran
+        c = o.outputs[0]
+        assert type(c.token_ids) is list and c.token_ids == final.token_ids[:k]
+        assert c.token_logprobs == final.token_logprobs[:k] and len(c.logprobs) == k
+        assert c.num_tokens == k
