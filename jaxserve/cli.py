@@ -4,6 +4,7 @@
     jaxserve serve --port=8000
     jaxserve bench buckets --trace=../shared/bench/ragged64.jsonl --dry_run
     jaxserve bench serve --base_url=http://127.0.0.1:8000/v1 --trace=...
+    jaxserve compile --target=h200 --model_config=llama3-8b --json=h200.json
 """
 
 from __future__ import annotations
@@ -80,6 +81,12 @@ flags.DEFINE_enum("warmup", "auto", ["auto", "full", "progressive"],
                   "smallest token bucket's programs are built, the rest compile in the "
                   "background (steps capped meanwhile). auto: progressive for serve, full for "
                   "generate.")
+# ---- compile (deviceless, for a GPU that is not here: jaxserve/gpu/)
+flags.DEFINE_string("target", None, "compile: the GPU to compile for (h200, h100, a100).")
+flags.DEFINE_string("model_config", None, "compile: a model preset (llama3-8b, smollm2-135m, "
+                    "tiny-d64) or an HF config.json, compiled from its shapes alone "
+                    "(no weights); default: --model's config.")
+flags.DEFINE_string("json", None, "compile: also write the report here as JSON.")
 # ---- generate
 flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
 flags.DEFINE_string("prompts_file", None, "Prompts: .jsonl with 'prompt' (and optional 'max_tokens', 'id') "
@@ -354,6 +361,20 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return int(bench_main(list(argv[1:])) or 0)
 
 
+def cmd_compile() -> int:
+    """`jaxserve compile --target=...`: every warm-up program, compiled for that GPU on this
+    machine (jaxserve.gpu.command); --dtype defaults to bfloat16 there."""
+    from jaxserve.gpu import command
+
+    if not FLAGS.target:
+        raise app.UsageError("jaxserve compile needs --target (h200, h100 or a100)")
+    return command.run(target=FLAGS.target, model=FLAGS.model, preset=FLAGS.model_config,
+                       dtype=FLAGS.dtype if FLAGS["dtype"].present else None,
+                       engine_args=engine_args_from_flags(),
+                       executable_cache_dir=FLAGS.executable_cache_dir or None,
+                       json_path=FLAGS.json)
+
+
 def configure_logging() -> None:
     """A quiet start: jaxserve's own phase lines (fetch, convert or cache hit, warm-up,
     ready) at INFO, every library (orbax, absl, jax) at WARNING. An explicit
@@ -369,9 +390,11 @@ def configure_logging() -> None:
 
 def main(argv: Sequence[str]) -> int:
     configure_logging()
-    if len(argv) < 2 or argv[1] not in ("generate", "serve", "bench"):
-        raise app.UsageError("usage: jaxserve generate|serve|bench [flags]")
+    if len(argv) < 2 or argv[1] not in ("generate", "serve", "bench", "compile"):
+        raise app.UsageError("usage: jaxserve generate|serve|bench|compile [flags]")
     cmd = argv[1]
+    if cmd == "compile":
+        return cmd_compile()
     if cmd in ("generate", "serve") and start_multihost():
         return 0  # a follower: its leader stopped
     if cmd == "generate":

@@ -225,6 +225,17 @@ class ModelConfig:
         base.update(kw)
         return cls(**base)
 
+    @classmethod
+    def llama3_8b(cls, **kw: Any) -> "ModelConfig":
+        """Meta-Llama-3-8B's shapes (its HF config.json): head_dim 128, 8 KV heads; for
+        deviceless compiles of an 8B-sized program (`jaxserve compile --model_config`)."""
+        base = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                    rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
+                    eos_token_ids=(128001,))
+        base.update(kw)
+        return cls(**base)
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -96,14 +96,16 @@ def choose_backend(name: str, platform: str, compute_capability: str | tuple[int
 
 
 def describe_device(dev: jax.Device) -> tuple[str, str | None, str]:
-    """(platform, compute capability or None, a name for messages) of a jax device."""
-    platform = jax.default_backend()
+    """(platform, compute capability or None, a name for messages) of a jax device (a
+    compile-only device of a deviceless GPU topology too: its platform is "gpu")."""
+    platform = "gpu" if dev.platform in ("gpu", "cuda") else dev.platform
     cc = getattr(dev, "compute_capability", None)
     return platform, cc, f"{dev.device_kind!r} ({platform}" + (f", cc {cc})" if cc else ")")
 
 
 def get_attention_backend(name: str, cfg: ModelConfig, *, block_size: int,
-                          interpret: bool = False) -> AttentionBackend:
+                          interpret: bool = False,
+                          device: jax.Device | None = None) -> AttentionBackend:
     """The attention backend called `name`, built for `cfg`'s heads and the KV page size.
 
     Args:
@@ -112,14 +114,16 @@ def get_attention_backend(name: str, cfg: ModelConfig, *, block_size: int,
       cfg: the model; its H / K, head_dim and dtype fix the Pallas tiles.
       block_size: B, tokens per KV page.
       interpret: run Pallas kernels in the Pallas interpreters (CPU tests).
+      device: the device the programs run on (default `jax.devices()[0]`); a deviceless
+        compile passes its compile-only GPU (`jaxserve.gpu.deviceless`).
 
     Raises:
       ValueError: an unknown name; a Pallas backend the device cannot run outside
         interpret mode (naming the device); or heads / head_dim / page size the
         kernel cannot tile. All before any trace or compile.
     """
-    platform, cc, device = describe_device(jax.devices()[0])
-    chosen = choose_backend(name, platform, cc, interpret=interpret, device=device)
+    platform, cc, where = describe_device(device or jax.devices()[0])
+    chosen = choose_backend(name, platform, cc, interpret=interpret, device=where)
     if chosen == "xla":
         return XlaBackend(block_size=block_size)
     kw = dict(block_size=block_size, num_queries_per_kv=cfg.num_queries_per_kv,
