@@ -7,8 +7,9 @@ One 1-layer model per (head_dim, dtype) with Gp = 4 query heads per KV head (Smo
 
     .venv/bin/python scripts/gpu_kernel_matrix.py --out=/tmp/matrix.json [--head_dims=64,128]
 
-Prints one line per kernel: target, backend, dtype, D, kernel, registers, spill bytes.
-Exit status 1 when any Pallas kernel spills.
+Prints one line per kernel: target, backend, dtype, D, kernel, registers, spill bytes;
+a configuration the engine refuses before compiling (e.g. Mosaic at f32 x d128) is one
+"refused" line. Exit status 1 when any Pallas kernel spills or a program fails.
 """
 
 from __future__ import annotations
@@ -46,7 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         target, backend = case.split(":")
         for d in map(int, a.head_dims.split(",")):
             for dtype in a.dtypes.split(","):
-                rep = compile_for_target(case_config(d, dtype, backend), target)
+                n = len(rows)
+                try:
+                    rep = compile_for_target(case_config(d, dtype, backend), target)
+                except ValueError as e:  # refused before any compile: the choice is recorded
+                    rows.append({"target": target, "backend": backend, "dtype": dtype,
+                                 "head_dim": d, "refused": str(e)})
+                    print(json.dumps(rows[-1]), flush=True)
+                    continue
                 for f in rep["failed"]:
                     rows.append({"target": target, "backend": backend, "dtype": dtype,
                                  "head_dim": d, "program": "/".join(map(str, f["key"])),
@@ -55,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                     if k["kernel"].startswith("ragged_paged_attention"):
                         rows.append({"target": target, "backend": backend, "dtype": dtype,
                                      "head_dim": d, **k})
-                for r in rows[-3:]:
+                for r in rows[n:]:
                     print(json.dumps({x: r.get(x) for x in ("target", "backend", "dtype",
                           "head_dim", "program", "kernel", "registers", "spill_bytes",
                           "error")}), flush=True)

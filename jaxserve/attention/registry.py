@@ -11,6 +11,10 @@ compute_capability, ...)`, so its rules are tested with fake device descriptions
   pallas_triton   pallas_triton          pallas_triton     interpret only     error
   xla             xla                    xla               xla                xla
 
+On Hopper, "auto" and "pallas" take the Triton kernel instead of Mosaic for f32 at
+head_dim > 64, where Mosaic's kernel spills registers and Triton's does not (ptxas,
+deviceless: notes/issue25.md); an explicit "pallas_mosaic" is refused there.
+
 (*) on CPU "pallas" needs interpret=True and means the Triton kernel: it tiles
 head_dim 16 (Mosaic needs multiples of 64) and its interpreter is the cheaper
 one, so the tiny test models run through it. Mosaic is Hopper only: its kernel
@@ -124,6 +128,8 @@ def get_attention_backend(name: str, cfg: ModelConfig, *, block_size: int,
     """
     platform, cc, where = describe_device(device or jax.devices()[0])
     chosen = choose_backend(name, platform, cc, interpret=interpret, device=where)
+    if chosen == "pallas_mosaic" and not interpret:
+        chosen = _mosaic_or_triton(name, cfg)
     if chosen == "xla":
         return XlaBackend(block_size=block_size)
     kw = dict(block_size=block_size, num_queries_per_kv=cfg.num_queries_per_kv,
@@ -134,4 +140,20 @@ def get_attention_backend(name: str, cfg: ModelConfig, *, block_size: int,
         return PallasMosaicBackend(dtype=cfg.dtype, **kw)
     from jaxserve.attention.pallas_triton import PallasTritonBackend
 
-    return PallasTritonBackend(**kw)
+    return PallasTritonBackend(dtype=cfg.dtype, **kw)
+
+
+def _mosaic_or_triton(name: str, cfg: ModelConfig) -> str:
+    """"pallas_mosaic", or "pallas_triton" for "auto" / "pallas" where the Mosaic kernel
+    would spill registers (f32 at head_dim > 64, `rpm.spill_free`) and the Triton
+    kernel does not (notes/issue25.md); an explicit "pallas_mosaic" there is refused."""
+    from jaxserve.attention.kernels import ragged_paged_attention_mosaic as rpm
+
+    if rpm.spill_free(cfg.head_dim, cfg.dtype):
+        return "pallas_mosaic"
+    if name in ("auto", "pallas"):
+        return "pallas_triton"
+    raise ValueError(f"attention backend 'pallas_mosaic' spills registers at dtype={cfg.dtype} "
+                     f"head_dim={cfg.head_dim} (f32 is spill-free up to head_dim "
+                     f"{rpm.F32_MAX_HEAD_DIM}); use 'auto' (the Triton kernel), 'pallas_triton' "
+                     f"or dtype bfloat16")
