@@ -22,7 +22,8 @@ FLAGS = flags.FLAGS
 
 # ---- model and engine (shared by generate and serve)
 flags.DEFINE_string("model", None, "A .gguf file or an HF directory; default: the fetched SmolLM2.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and compute dtype.")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Parameter and compute dtype "
+                  "(default: bfloat16 on a GPU or TPU and for `compile --target`, float32 on CPU).")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
 flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks (default: from --kv_cache_memory_mb).")
 flags.DEFINE_integer("kv_cache_memory_mb", 512, "KV pool memory budget in MiB when --num_kv_blocks is unset.")
@@ -369,7 +370,7 @@ def cmd_compile() -> int:
     if not FLAGS.target:
         raise app.UsageError("jaxserve compile needs --target (h200, h100 or a100)")
     return command.run(target=FLAGS.target, model=FLAGS.model, preset=FLAGS.model_config,
-                       dtype=FLAGS.dtype if FLAGS["dtype"].present else None,
+                       dtype=FLAGS.dtype,
                        engine_args=engine_args_from_flags(),
                        executable_cache_dir=FLAGS.executable_cache_dir or None,
                        json_path=FLAGS.json)
