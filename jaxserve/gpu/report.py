@@ -57,6 +57,14 @@ def custom_calls(hlo_text: str) -> list[str]:
     return sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collectives(hlo_text: str) -> list[str]:
+    """The cross-device collectives a compiled module runs (tensor parallelism)."""
+    return [c for c in COLLECTIVES if re.search(rf"= [^=]*\b{c}(-start)?\(", hlo_text)]
+
+
 def pallas_lines(hlo_text: str) -> list[str]:
     """The compiled module's lines that call a Pallas kernel (their metadata names it)."""
     return [ln for ln in hlo_text.splitlines()
@@ -80,14 +88,15 @@ def _parts(program: Any) -> dict[str, Any]:
 
 def program_report(key: tuple[str, int], program: Any, *, seconds: float, log: Path,
                    log_offset: int, mosaic_dump: Path, mosaic_before: set[str]) -> dict:
-    """One program's record: {"key", "seconds", "parts": [{"part", "custom_calls",
+    """One program's record: {"key", "seconds", "parts": [{"part", "custom_calls", "collectives",
     "memory": {argument, output, temp, ...} bytes}], "kernels": [parse_ptxas rows with
     "pallas": bool and "source": "xla" | "mosaic"], "max_spill_bytes" over Pallas kernels}."""
-    parts, pallas = [], []
+    parts: list[dict] = []
+    pallas: list[str] = []
     for name, compiled in _parts(program).items():
         text = compiled.as_text() or ""
         parts.append({"part": name, "custom_calls": custom_calls(text),
-                      "memory": _memory(compiled)})
+                      "collectives": collectives(text), "memory": _memory(compiled)})
         pallas += pallas_lines(text)
     kernels, seen = [], set()
     if log.exists():

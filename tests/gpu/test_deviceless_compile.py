@@ -97,9 +97,32 @@ def test_deviceless_executables_round_trip_through_the_cache(compiled):
         header, payload = ExecutableCache._read(f)  # length and sha256 checked
         key = header["key"]
         assert key["target"] == target and key["backend"] == "gpu"
-        assert key["device_kind"] == {"h200": "NVIDIA H200", "a100": "NVIDIA A100-SXM4-80GB"}[target]
+        kind = {"h200": "NVIDIA H200", "a100": "NVIDIA A100-SXM4-80GB"}[target]
+        assert key["device_kind"] == kind
         assert key["jax_cuda12_plugin"] and key["device_count"] == 1
         blob, in_tree, out_tree = pickle.loads(payload)
         assert isinstance(blob, bytes) and len(blob) > 1000
         assert in_tree.num_leaves > 0 and out_tree.num_leaves > 0
     json.dumps(rep)  # the --json report is plain JSON
+
+
+def test_deviceless_tensor_parallel_compiles_on_a_two_gpu_topology():
+    from jaxserve.gpu.compile import compile_for_target
+
+    cfg = ModelConfig.tiny(head_dim=64, dtype="bfloat16")  # 6 query / 2 KV heads: 3 + 1 per GPU
+    config = make_engine_config(cfg, max_num_seqs=2, max_num_batched_tokens=2, max_model_len=64,
+                                token_buckets=(2,), seq_buckets=(2,), num_kv_blocks=16,
+                                enable_prompt_logprobs=False, tensor_parallel_size=2)
+    rep = compile_for_target(config, "h200")
+    assert rep["failed"] == [] and [tuple(p["key"]) for p in rep["programs"]] == [
+        ("stack", 2), ("head", 2)]
+    layers = next(x for x in rep["programs"][0]["parts"] if x["part"] == "layers")
+    assert "mosaic_gpu_v2" in layers["custom_calls"]
+    assert "all-reduce" in layers["collectives"]  # the row-parallel o / down projections
+    # per GPU: half the KV heads of the bf16 cache [L, N, B, K, D] and of the layer weights
+    L, N, B, K, D = 2, 16, 16, 2, 64
+    E, H, F = cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size
+    kv = 2 * L * N * B * K * D * 2 // 2
+    weights = L * 2 * (2 * E + (E * H * D + 2 * E * K * D + H * D * E + 3 * E * F) // 2)
+    assert kv + weights <= layers["memory"]["argument"] <= kv + weights + 4096
+    assert all(k["spill_bytes"] == 0 for p in rep["programs"] for k in p["kernels"] if k["pallas"])

@@ -66,6 +66,16 @@ def test_parse_ptxas_reads_registers_spills_and_smem():
          "spill_load_bytes": 0, "stack_bytes": 0, "smem_bytes": 16640}]
 
 
+def test_collectives_are_read_off_the_compiled_hlo():
+    from jaxserve.gpu.report import collectives
+
+    hlo = ("%all-reduce-start = f32[4]{0} all-reduce-start(%x), replica_groups={{0,1}}\n"
+           "%ag = f32[8]{0} all-gather(%y), dimensions={0}\n"
+           "%fusion = f32[4]{0} fusion(%all-reduce-done), calls=%f\n")
+    assert collectives(hlo) == ["all-reduce", "all-gather"]
+    assert collectives("%a = f32[2] add(%x, %y)") == []
+
+
 def test_custom_calls_lists_distinct_targets():
     hlo = ('%a = f32[2] custom-call(%x), custom_call_target="mosaic_gpu_v2", x\n'
            '%b = f32[2] custom-call(%y), custom_call_target="mosaic_gpu_v2"\n'
