@@ -71,6 +71,14 @@ def pallas_lines(hlo_text: str) -> list[str]:
             if any(f'custom_call_target="{t}"' in ln for t in PALLAS_CALLS)]
 
 
+def is_pallas(kernel: str, lines: list[str]) -> bool:
+    """Whether an XLA-compiled kernel is a Pallas kernel: its name is the pallas_call's
+    name in one of `pallas_lines` (in the op_name path or the backend config, not as an
+    operand such as `%input_concatenate_fusion`)."""
+    pat = re.compile(rf'[/"]{re.escape(kernel)}[/"\\]')
+    return any(pat.search(ln) for ln in lines)
+
+
 def _memory(compiled: Any) -> dict:
     m = compiled.memory_analysis()
     if m is None:
@@ -107,8 +115,7 @@ def program_report(key: tuple[str, int], program: Any, *, seconds: float, log: P
             sig = tuple(sorted(k.items()))
             if sig not in seen:  # XLA logs some kernels twice
                 seen.add(sig)
-                kernels.append({**k, "pallas": any(f"{k['kernel']}" in ln for ln in pallas),
-                                "source": "xla"})
+                kernels.append({**k, "pallas": is_pallas(k["kernel"], pallas), "source": "xla"})
     if mosaic_dump.is_dir():
         for p in sorted(mosaic_dump.glob("*.ptxas")):
             if p.name not in mosaic_before:

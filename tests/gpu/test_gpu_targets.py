@@ -131,3 +131,18 @@ def test_abstract_params_have_real_shapes_and_no_memory():
     leaves = [tree["embed"], tree["lm_head"], *tree["layers"].values()]
     assert all(x.strides == (0,) * x.ndim for x in leaves)  # one element of memory each
     assert not np.asarray(tree["layers"]["wq"][3]).any()
+
+
+def test_a_pallas_kernel_is_named_by_its_call_not_by_its_operands():
+    from jaxserve.gpu.report import is_pallas, pallas_lines
+
+    hlo = ('%custom-call.3 = bf16[8,2,64]{2,1,0} custom-call(%input_concatenate_fusion, %p), '
+           'custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(layers_fn)/'
+           'ragged_paged_attention_bq4_gp4_ppc4_bs16_d64_w4/pallas_call"}, '
+           'backend_config={name = "ragged_paged_attention_bq4_gp4_ppc4_bs16_d64_w4"}\n'
+           '%input_concatenate_fusion = bf16[8,2,64]{2,1,0} fusion(%a, %b), kind=kLoop\n')
+    lines = pallas_lines(hlo)
+    assert len(lines) == 1
+    assert is_pallas("ragged_paged_attention_bq4_gp4_ppc4_bs16_d64_w4", lines)
+    assert not is_pallas("input_concatenate_fusion", lines)
+    assert not is_pallas("ragged_paged_attention_bq4", lines)  # a prefix is another kernel
