@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 MODEL := checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPTS ?= examples/prompts.jsonl
 
-.PHONY: setup model generate test test-fast fixtures clean-cache fuzz soak
+.PHONY: setup model generate test test-fast fixtures clean-cache fuzz soak gpu-venv
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PY312)" || { echo "error: Python 3.12 not found (tried python3.12 and ~/.pyenv/versions/3.12*)"; exit 1; }
@@ -19,6 +19,15 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+
+# A second venv for deviceless GPU compiles (`jaxserve compile --target=h200`): the CUDA
+# plugin + ptxas wheels (~240 MB), the rest read from .venv. Kept out of .venv, where the
+# plugin would print a cuInit error on every `import jax` of a machine without a GPU.
+GPU_VENV := .venv-gpu
+$(GPU_VENV)/.installed: $(VENV)/.installed
+	$(PY) -m jaxserve.gpu.venv
+
+gpu-venv: $(GPU_VENV)/.installed
 
 $(MODEL): | $(VENV)/.installed
 	$(PY) -m jaxserve.checkpoint.fetch --dest checkpoints
@@ -31,7 +40,7 @@ generate: setup model
 
 # The whole suite (server tests on a real LLMEngine over the scripted FakeRunner), then
 # the server tests again against the real tiny-model LLMEngine on uvicorn.
-test: setup model
+test: setup model gpu-venv
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 	JAXSERVE_SERVER_TEST_ENGINE=tiny $(PY) -m pytest -q tests/server
 

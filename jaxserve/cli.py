@@ -4,6 +4,7 @@
     jaxserve serve --port=8000
     jaxserve bench buckets --trace=../shared/bench/ragged64.jsonl --dry_run
     jaxserve bench serve --base_url=http://127.0.0.1:8000/v1 --trace=...
+    jaxserve compile --target=h200 --model_config=llama3-8b --json=h200.json
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ FLAGS = flags.FLAGS
 
 # ---- model and engine (shared by generate and serve)
 flags.DEFINE_string("model", None, "A .gguf file or an HF directory; default: the fetched SmolLM2.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and compute dtype.")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Parameter and compute dtype "
+                  "(default: bfloat16 on a GPU or TPU and for `compile --target`, float32 on CPU).")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
 flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks (default: from --kv_cache_memory_mb).")
 flags.DEFINE_integer("kv_cache_memory_mb", 512, "KV pool memory budget in MiB when --num_kv_blocks is unset.")
@@ -80,6 +82,12 @@ flags.DEFINE_enum("warmup", "auto", ["auto", "full", "progressive"],
                   "smallest token bucket's programs are built, the rest compile in the "
                   "background (steps capped meanwhile). auto: progressive for serve, full for "
                   "generate.")
+# ---- compile (deviceless, for a GPU that is not here: jaxserve/gpu/)
+flags.DEFINE_string("target", None, "compile: the GPU to compile for (h200, h100, a100).")
+flags.DEFINE_string("model_config", None, "compile: a model preset (llama3-8b, smollm2-135m, "
+                    "tiny-d64) or an HF config.json, compiled from its shapes alone "
+                    "(no weights); default: --model's config.")
+flags.DEFINE_string("json", None, "compile: also write the report here as JSON.")
 # ---- generate
 flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
 flags.DEFINE_string("prompts_file", None, "Prompts: .jsonl with 'prompt' (and optional 'max_tokens', 'id') "
@@ -365,6 +373,20 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return int(bench_main(list(argv[1:])) or 0)
 
 
+def cmd_compile() -> int:
+    """`jaxserve compile --target=...`: every warm-up program, compiled for that GPU on this
+    machine (jaxserve.gpu.command); --dtype defaults to bfloat16 there."""
+    from jaxserve.gpu import command
+
+    if not FLAGS.target:
+        raise app.UsageError("jaxserve compile needs --target (h200, h100 or a100)")
+    return command.run(target=FLAGS.target, model=FLAGS.model, preset=FLAGS.model_config,
+                       dtype=FLAGS.dtype,
+                       engine_args=engine_args_from_flags(),
+                       executable_cache_dir=FLAGS.executable_cache_dir or None,
+                       json_path=FLAGS.json)
+
+
 def configure_logging() -> None:
     """A quiet start: jaxserve's own phase lines (fetch, convert or cache hit, warm-up,
     ready) at INFO, every library (orbax, absl, jax) at WARNING. An explicit
@@ -380,9 +402,11 @@ def configure_logging() -> None:
 
 def main(argv: Sequence[str]) -> int:
     configure_logging()
-    if len(argv) < 2 or argv[1] not in ("generate", "serve", "bench"):
-        raise app.UsageError("usage: jaxserve generate|serve|bench [flags]")
+    if len(argv) < 2 or argv[1] not in ("generate", "serve", "bench", "compile"):
+        raise app.UsageError("usage: jaxserve generate|serve|bench|compile [flags]")
     cmd = argv[1]
+    if cmd == "compile":
+        return cmd_compile()
     if cmd in ("generate", "serve") and start_multihost():
         return 0  # a follower: its leader stopped
     if cmd == "generate":

@@ -27,6 +27,16 @@ def _require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def platform_dtype() -> str:
+    """The default compute dtype on the platform jax runs on: "bfloat16" on a GPU or TPU
+    (what their matrix units and HBM budgets are built for), "float32" on CPU (the golden
+    outputs, and XLA:CPU has no fast bf16 matmul). Imports jax only when called: the
+    modules of this file stay jax-free."""
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """`rope_scaling` of HF `config.json` (Llama 3.1 "llama3" type only).
@@ -144,9 +154,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     attention_bias: bool = False  # q/k/v biases (Qwen2)
     qk_norm: bool = False  # per-head q/k RMSNorm before RoPE (Qwen3)
-    dtype: str = "float32"  # compute and parameter dtype: "float32" | "bfloat16"
+    # compute and parameter dtype: "float32" | "bfloat16"; None: `platform_dtype()`
+    dtype: str | None = None
 
     def __post_init__(self):
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", platform_dtype())
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings"):
@@ -169,7 +182,7 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any], *, dtype: str = "float32") -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any], *, dtype: str | None = None) -> "ModelConfig":
         """Build from a parsed HF `config.json` (the families of `HF_FAMILIES`).
 
         Raises:
@@ -225,6 +238,17 @@ class ModelConfig:
         base.update(kw)
         return cls(**base)
 
+    @classmethod
+    def llama3_8b(cls, **kw: Any) -> "ModelConfig":
+        """Meta-Llama-3-8B's shapes (its HF config.json): head_dim 128, 8 KV heads; for
+        deviceless compiles of an 8B-sized program (`jaxserve compile --model_config`)."""
+        base = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                    rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
+                    eos_token_ids=(128001,))
+        base.update(kw)
+        return cls(**base)
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -73,7 +73,8 @@ class LLM:
     Args:
       model: a .gguf file or an HF directory; None for the default SmolLM2
         model fetched by `make model`.
-      dtype: "float32" or "bfloat16".
+      dtype: "float32" or "bfloat16"; None: the platform's (bf16 on a GPU / TPU, f32 on
+        CPU: `jaxserve.config.platform_dtype`).
       compile_cache_dir: JAX's persistent compilation cache (None, the default: off;
         the executable cache supersedes it, and on XLA:CPU a program loaded from
         JAX's cache cannot be stored in the executable cache).
@@ -90,7 +91,7 @@ class LLM:
       ValueError: a bad engine argument.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "float32",
+    def __init__(self, model: str | None = None, *, dtype: str | None = None,
                  compile_cache_dir: str | None = None,
                  executable_cache_dir: str | None = "checkpoints/executable_cache",
                  engine: LLMEngine | None = None, **engine_args: Any):

@@ -35,6 +35,28 @@ def choose_block_q(num_tokens: int, num_seqs: int, num_queries_per_kv: int) -> i
     return max(min_bq, 64 // gp)
 
 
+def choose_num_warps(m_rows: int, head_dim: int, dtype: str) -> int:
+    """Warps of one kernel program: 8 for 64-row (prefill) tiles and for f32 at
+    head_dim >= 128, else 4.
+
+    Measured deviceless with ptxas (notes/issue25.md): with 4 warps the 64-row tile
+    spills on sm_80 (bf16 d128: 255 registers, 8 B; f32 d64: 10.5 KB, f32's exact dot
+    is an FMA loop) and on sm_90 (f32 d64: 1.4 KB); 8 warps spread the [M, D]
+    accumulator over 256 threads: 128-222 registers, 0 spill. f32 at d128 also spills
+    a 16-row tile with 4 warps on sm_90 (116 B); 8 warps and 32-key chunks
+    (`chunk_keys_for`): 64 registers.
+    """
+    if m_rows >= 64 or (dtype == "float32" and head_dim >= 128):
+        return 8
+    return 4
+
+
+def chunk_keys_for(head_dim: int, dtype: str) -> int:
+    """Keys per inner-loop step: 64, or 32 for f32 at head_dim >= 128 (its 64-row tile
+    with 64-key chunks spills on sm_80 even at 8 warps: 1,044 B; 32 keys: 0 B)."""
+    return 32 if dtype == "float32" and head_dim >= 128 else 64
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=TILED_FIELDS,
                    meta_fields=["block_q"])
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +75,11 @@ class PallasTritonBackend:
       num_queries_per_kv: H / K.
       head_dim: D.
       block_q: tokens per query tile; None picks it per bucket (`choose_block_q`).
-      chunk_keys: keys per inner-loop step of the kernel (a multiple of B, or B).
+      chunk_keys: keys per inner-loop step of the kernel (a multiple of B, or B); None:
+        `chunk_keys_for(head_dim, dtype)`.
+      dtype: the cache / activation dtype, "bfloat16" or "float32": with head_dim it
+        picks the chunk and the warps (`choose_num_warps`) that compile without
+        register spills.
       interpret: run both kernels in the Pallas interpreter (CPU tests).
 
     Raises:
@@ -64,7 +90,8 @@ class PallasTritonBackend:
     num_queries_per_kv: int
     head_dim: int
     block_q: int | None = None
-    chunk_keys: int = 64
+    chunk_keys: int | None = None
+    dtype: str = "bfloat16"
     interpret: bool = False
     name: str = "pallas_triton"
 
@@ -76,7 +103,8 @@ class PallasTritonBackend:
 
     @property
     def pages_per_chunk(self) -> int:
-        return max(1, self.chunk_keys // self.block_size)
+        keys = self.chunk_keys or chunk_keys_for(self.head_dim, self.dtype)
+        return max(1, keys // self.block_size)
 
     def prepare(self, common: CommonAttentionMetadata) -> PallasTritonMetadata:
         """Validate the step and cut every sequence's tokens into tiles (host NumPy).
@@ -100,4 +128,6 @@ class PallasTritonBackend:
         return rpa.ragged_paged_attention(
             *tiled_kernel_args(q, k_cache, v_cache, md, layer, self.block_size),
             sm_scale=float(sm_scale), block_q=md.block_q, pages_per_chunk=self.pages_per_chunk,
+            num_warps=choose_num_warps(md.block_q * rpa.next_pow2(self.num_queries_per_kv),
+                                       self.head_dim, self.dtype),
             interpret=self.interpret)

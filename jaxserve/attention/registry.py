@@ -11,6 +11,10 @@ compute_capability, ...)`, so its rules are tested with fake device descriptions
   pallas_triton   pallas_triton          pallas_triton     interpret only     error
   xla             xla                    xla               xla                xla
 
+On Hopper, "auto" and "pallas" take the Triton kernel instead of Mosaic for f32 at
+head_dim > 64, where Mosaic's kernel spills registers and Triton's does not (ptxas,
+deviceless: notes/issue25.md); an explicit "pallas_mosaic" is refused there.
+
 (*) on CPU "pallas" needs interpret=True and means the Triton kernel: it tiles
 head_dim 16 (Mosaic needs multiples of 64) and its interpreter is the cheaper
 one, so the tiny test models run through it. Mosaic is Hopper only: its kernel
@@ -96,14 +100,16 @@ def choose_backend(name: str, platform: str, compute_capability: str | tuple[int
 
 
 def describe_device(dev: jax.Device) -> tuple[str, str | None, str]:
-    """(platform, compute capability or None, a name for messages) of a jax device."""
-    platform = jax.default_backend()
+    """(platform, compute capability or None, a name for messages) of a jax device (a
+    compile-only device of a deviceless GPU topology too: its platform is "gpu")."""
+    platform = "gpu" if dev.platform in ("gpu", "cuda") else dev.platform
     cc = getattr(dev, "compute_capability", None)
     return platform, cc, f"{dev.device_kind!r} ({platform}" + (f", cc {cc})" if cc else ")")
 
 
 def get_attention_backend(name: str, cfg: ModelConfig, *, block_size: int,
-                          interpret: bool = False) -> AttentionBackend:
+                          interpret: bool = False,
+                          device: jax.Device | None = None) -> AttentionBackend:
     """The attention backend called `name`, built for `cfg`'s heads and the KV page size.
 
     Args:
@@ -112,14 +118,18 @@ def get_attention_backend(name: str, cfg: ModelConfig, *, block_size: int,
       cfg: the model; its H / K, head_dim and dtype fix the Pallas tiles.
       block_size: B, tokens per KV page.
       interpret: run Pallas kernels in the Pallas interpreters (CPU tests).
+      device: the device the programs run on (default `jax.devices()[0]`); a deviceless
+        compile passes its compile-only GPU (`jaxserve.gpu.deviceless`).
 
     Raises:
       ValueError: an unknown name; a Pallas backend the device cannot run outside
         interpret mode (naming the device); or heads / head_dim / page size the
         kernel cannot tile. All before any trace or compile.
     """
-    platform, cc, device = describe_device(jax.devices()[0])
-    chosen = choose_backend(name, platform, cc, interpret=interpret, device=device)
+    platform, cc, where = describe_device(device or jax.devices()[0])
+    chosen = choose_backend(name, platform, cc, interpret=interpret, device=where)
+    if chosen == "pallas_mosaic" and not interpret:
+        chosen = _mosaic_or_triton(name, cfg)
     if chosen == "xla":
         return XlaBackend(block_size=block_size)
     kw = dict(block_size=block_size, num_queries_per_kv=cfg.num_queries_per_kv,
@@ -130,4 +140,20 @@ def get_attention_backend(name: str, cfg: ModelConfig, *, block_size: int,
         return PallasMosaicBackend(dtype=cfg.dtype, **kw)
     from jaxserve.attention.pallas_triton import PallasTritonBackend
 
-    return PallasTritonBackend(**kw)
+    return PallasTritonBackend(dtype=cfg.dtype, **kw)
+
+
+def _mosaic_or_triton(name: str, cfg: ModelConfig) -> str:
+    """"pallas_mosaic", or "pallas_triton" for "auto" / "pallas" where the Mosaic kernel
+    would spill registers (f32 at head_dim > 64, `rpm.spill_free`) and the Triton
+    kernel does not (notes/issue25.md); an explicit "pallas_mosaic" there is refused."""
+    from jaxserve.attention.kernels import ragged_paged_attention_mosaic as rpm
+
+    if rpm.spill_free(cfg.head_dim, cfg.dtype):
+        return "pallas_mosaic"
+    if name in ("auto", "pallas"):
+        return "pallas_triton"
+    raise ValueError(f"attention backend 'pallas_mosaic' spills registers at dtype={cfg.dtype} "
+                     f"head_dim={cfg.head_dim} (f32 is spill-free up to head_dim "
+                     f"{rpm.F32_MAX_HEAD_DIM}); use 'auto' (the Triton kernel), 'pallas_triton' "
+                     f"or dtype bfloat16")

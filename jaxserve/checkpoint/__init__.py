@@ -2,7 +2,7 @@
 the tokenizer wrapper and the default model (SmolLM2-135M-Instruct Q4_1).
 
 Public API:
-  load_model(path=None, *, dtype="float32", cache_dir=..., progress=True)
+  load_model(path=None, *, dtype=None (the platform's: f32 on CPU), cache_dir=..., progress=True)
       -> (ModelConfig, params tree of NumPy arrays, Tokenizer)
   load_tokenizer(path=None) -> Tokenizer
   resolve_model_path(path=None) -> Path;  DEFAULT_MODEL_PATH

@@ -96,7 +96,7 @@ def read_fields(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
 
 
 def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], path: Path, *,
-                     dtype: str = "float32") -> ModelConfig:
+                     dtype: str | None = None) -> ModelConfig:
     """Build a ModelConfig from GGUF metadata (`<arch>.*` keys, tokenizer.ggml.* ids).
 
     Raises:
@@ -226,7 +226,7 @@ def load_gguf_params(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, *,
     return params
 
 
-def read_gguf_header(path: str | Path, *, dtype: str = "float32"
+def read_gguf_header(path: str | Path, *, dtype: str | None = None
                      ) -> tuple[gguf.GGUFReader, ModelConfig, Tokenizer]:
     """Open a GGUF file and build its ModelConfig and Tokenizer (no tensor data read).
 

@@ -57,7 +57,7 @@ def hf_name(leaf: str, layer: int | None = None) -> str:
     return HF_TOP_NAMES[leaf]
 
 
-def load_hf_config(directory: str | Path, *, dtype: str = "float32") -> ModelConfig:
+def load_hf_config(directory: str | Path, *, dtype: str | None = None) -> ModelConfig:
     """config.json (+ generation_config.json eos ids) -> ModelConfig.
 
     Raises:

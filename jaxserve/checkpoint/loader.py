@@ -12,7 +12,7 @@ from jaxserve.checkpoint.gguf_loader import load_gguf_params, read_gguf_header
 from jaxserve.checkpoint.hf import load_hf_config, load_hf_params
 from jaxserve.checkpoint.layout import CheckpointError
 from jaxserve.checkpoint.tokenizer import Tokenizer
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, platform_dtype
 from jaxserve.model.llama import cast_params
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def _convert(p: Path, dtype: str, progress: bool) -> tuple[ModelConfig, dict, To
     return cfg, cast_params(params, dtype), tok
 
 
-def load_model(path: str | Path | None = None, *, dtype: str = "float32",
+def load_model(path: str | Path | None = None, *, dtype: str | None = None,
                cache_dir: str | Path | None = DEFAULT_PARAMS_CACHE_DIR,
                progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:
     """Load (config, params, tokenizer) from a .gguf file or an HF checkpoint directory.
@@ -81,7 +81,8 @@ def load_model(path: str | Path | None = None, *, dtype: str = "float32",
 
     Args:
       path: .gguf file or HF dir; None = the default model.
-      dtype: "float32" | "bfloat16" (parameter dtype, also set as `cfg.dtype`).
+      dtype: "float32" | "bfloat16" (parameter dtype, also set as `cfg.dtype`); None:
+        the platform's (`jaxserve.config.platform_dtype`: bf16 on GPU/TPU, f32 on CPU).
       cache_dir: params cache root (default checkpoints/params_cache) or None.
       progress: show a tqdm bar per tensor during conversion.
     Raises:
@@ -90,6 +91,7 @@ def load_model(path: str | Path | None = None, *, dtype: str = "float32",
         quantization type, missing/extra/misshaped tensors; the message names the file.
       ValueError: dtype not in ("float32", "bfloat16").
     """
+    dtype = dtype or platform_dtype()
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {_DTYPES}")
     p = resolve_model_path(path)

@@ -222,8 +222,19 @@ class TensorParallel:
             raise ValueError(f"tensor_parallel_size={tp} must equal the {len(devices)} devices "
                              f"of the {jax.process_count()} processes (multi-host runs one "
                              f"TP group; data parallelism is not built)")
+        self.devices = devices[:tp]
         self.mesh = (Mesh(np.array(devices[:tp]).reshape(1, tp), (DP_AXIS, TP_AXIS))
                      if tp > 1 or multi else None)
+
+    # Executable-cache key parts that name where the programs run beyond the process's
+    # own devices (a deviceless compile's target, `jaxserve.gpu.deviceless`); none here.
+    key_parts: dict = {}
+
+    @property
+    def platform(self) -> str:
+        """"cpu", "gpu" or "tpu": the platform of the devices the programs run on."""
+        p = self.devices[0].platform
+        return "gpu" if p in ("gpu", "cuda") else p
 
     # ---------------------------------------------------------------- specs
     def sharding(self, spec: P) -> NamedSharding:

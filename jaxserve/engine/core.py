@@ -49,7 +49,7 @@ def make_engine_config(model: ModelConfig, **engine_args: Any) -> EngineConfig:
     """Distribute flat keyword arguments (vLLM `EngineArgs` style) over the configs.
 
     Each name must be a field of CacheConfig, SchedulerConfig or EngineConfig
-    (`dtype` goes to the ModelConfig; `scheduling_policy`, vLLM's name, is
+    (`dtype` goes to the ModelConfig, None keeps its dtype; `scheduling_policy`, vLLM's name, is
     SchedulerConfig.policy: "fcfs" or "priority").
 
     Raises:
@@ -60,8 +60,9 @@ def make_engine_config(model: ModelConfig, **engine_args: Any) -> EngineConfig:
         if engine_args.setdefault("policy", policy) != policy:
             raise ValueError(f"scheduling_policy={policy!r} and policy="
                              f"{engine_args['policy']!r} disagree: give one")
-    if "dtype" in engine_args:
-        model = model.replace(dtype=engine_args.pop("dtype"))
+    if "dtype" in engine_args:  # None keeps the model's (its loader's platform default)
+        dtype = engine_args.pop("dtype")
+        model = model if dtype is None else model.replace(dtype=dtype)
     groups: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}, EngineConfig: {}}
     for name, value in engine_args.items():
         for cls, kw in groups.items():

@@ -82,6 +82,10 @@ class ModelRunner:
       step_listener: called as (T_pad, S_pad, host batch) before each device step, once
         its programs exist (multi-host: the leader's broadcast); `set_step_listener`
         attaches one later.
+      tensor_parallel: the placement to use instead of `TensorParallel(config)` over
+        `jax.devices()`; `jaxserve.gpu.deviceless.DevicelessTensorParallel` places
+        abstract arrays on compile-only GPUs, so the runner builds its programs for a
+        GPU that is not here (nothing is executed then).
 
     The pool size N is `config.cache.num_kv_blocks`, or what
     `kv_cache_memory_bytes` holds; the cache (`kv_cache`) is, in cfg.dtype, (L K
@@ -98,12 +102,13 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, params: Any, *, bucket_policy: BucketPolicy,
                  strict_compiles: bool | None = None, vocab_parallel: bool | None = None,
                  executable_cache_dir: str | None = None,
-                 step_listener: Callable[[int, int, StepBatch], None] | None = None):
+                 step_listener: Callable[[int, int, StepBatch], None] | None = None,
+                 tensor_parallel: TensorParallel | None = None):
         CacheHits.install()
         self.config = config
         self.cfg = config.model
-        self.tp = TensorParallel(self.cfg, config.tensor_parallel_size,  # validates first
-                                 vocab_parallel=vocab_parallel)
+        self.tp = tensor_parallel or TensorParallel(self.cfg, config.tensor_parallel_size,
+                                                    vocab_parallel=vocab_parallel)  # validates
         self.model_cfg = self.tp.model_cfg  # what the programs run (K' KV heads)
         if self.tp.mesh is not None:
             logger.info(self.tp.describe())
@@ -119,7 +124,7 @@ class ModelRunner:
         self.max_seq_bucket = bucket_policy.seq_buckets[-1]  # the stack's row dimension
         self.backend = self.tp.shard_attention(get_attention_backend(
             config.attention_backend, self.model_cfg, block_size=self.block_size,
-            interpret=config.attention_interpret))
+            interpret=config.attention_interpret, device=self.tp.devices[0]))
         owned = isinstance(params, OwnedHostParams)  # the caller gave the tree away
         self.params = prepare_params(
             self.cfg, params.tree if owned else params, unroll_layers=config.unroll_layers,
@@ -129,7 +134,7 @@ class ModelRunner:
         self.group = None
         if config.unroll_layers:
             self.group = config.layers_per_program or (
-                1 if jax.default_backend() == "cpu" else self.cfg.num_hidden_layers)
+                1 if self.tp.platform == "cpu" else self.cfg.num_hidden_layers)
         self.kv_cache = self._zero_kv_cache()
         stack_sh, head_sh, score_sh = self._jit_shardings()
         self._stack_jit = jax.jit(functools.partial(_stack_fn, self.model_cfg, self.backend),
@@ -435,7 +440,8 @@ class ModelRunner:
             parts = program_key_parts(self.config, family, size, args,
                                       backend_name=type(self.backend).__name__,
                                       extra={"num_kv_blocks": self.num_kv_blocks,
-                                             "max_seq_bucket": self.max_seq_bucket})
+                                             "max_seq_bucket": self.max_seq_bucket,
+                                             **self.tp.key_parts})
         return aot_compile(fn, args, exec_cache=self._exec_cache, key_parts=parts)
 
     def _make(self, key: ProgramKey) -> tuple[Any, str]:
@@ -469,6 +475,10 @@ class ModelRunner:
         # Shape and dtype only (the head's shardings are explicit): the same spec however
         # it was found, so the head's executable-cache key never depends on build order.
         return jax.ShapeDtypeStruct(s.shape, s.dtype)
+
+    def warmup_keys(self) -> list[ProgramKey]:
+        """Every program warm-up builds, in its order (`Warmup.keys`)."""
+        return self._warmup.keys()
 
     def warmup(self, *, progress: bool = True, mode: str | None = None) -> None:
         """Build every program the bucket policy can request (`jaxserve.worker.warmup.Warmup.run`;

@@ -92,7 +92,7 @@ class Warmup:
         """
         if mode not in ("full", "progressive"):
             raise ValueError(f"warmup mode={mode!r} must be 'full' or 'progressive'")
-        stages = self.bucket_policy.program_stages(score=self.score, ready_tokens=READY_TOKENS)
+        stages = self.stages()
         total = sum(len(keys) for _, keys in stages)
         st = self.table.stats
         st.warmup_programs = total
@@ -119,6 +119,15 @@ class Warmup:
                                         name="jaxserve-warmup", daemon=True)
         _WARMING.add(self)
         self._thread.start()
+
+    def stages(self) -> list[tuple[int, list[ProgramKey]]]:
+        """[(token_cap, keys)]: the warm-up set in build order
+        (`BucketPolicy.program_stages` with the score family and `READY_TOKENS`)."""
+        return self.bucket_policy.program_stages(score=self.score, ready_tokens=READY_TOKENS)
+
+    def keys(self) -> list[ProgramKey]:
+        """Every program `run` builds, in order (a deviceless compile builds these too)."""
+        return [k for _, keys in self.stages() for k in keys]
 
     def _build_all(self, keys: list[ProgramKey], bar: Any) -> None:
         """Build the missing ones of `keys` on `compile_threads` threads, ticking `bar`."""

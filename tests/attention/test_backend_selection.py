@@ -117,3 +117,51 @@ def test_engine_with_an_untileable_head_dim_fails_before_any_compile():
                                 attention_backend="pallas_mosaic")
     with pytest.raises(ValueError, match="needs a GPU"):
         LLMEngine(config, params, tiny_tokenizer(), model_name="tiny", progress=False)
+
+
+class _FakeGpu:
+    """What `describe_device` reads of a jax device (a deviceless compile passes a
+    compile-only one the same way)."""
+
+    def __init__(self, cc: str, kind: str):
+        self.platform, self.compute_capability, self.device_kind = "gpu", cc, kind
+
+
+@pytest.mark.parametrize("dtype,head_dim,name,want", [
+    ("bfloat16", 128, "auto", "pallas_mosaic"),
+    ("float32", 64, "auto", "pallas_mosaic"),
+    ("float32", 128, "auto", "pallas_triton"),  # Mosaic spills there (68 B), Triton does not
+    ("float32", 128, "pallas", "pallas_triton"),
+    ("float32", 128, "pallas_triton", "pallas_triton"),
+])
+def test_hopper_takes_triton_where_mosaic_would_spill(dtype, head_dim, name, want):
+    cfg = ModelConfig.tiny(head_dim=head_dim, dtype=dtype)
+    be = get_attention_backend(name, cfg, block_size=16, device=_FakeGpu("9.0", "NVIDIA H200"))
+    assert be.name == want and be.dtype == dtype
+
+
+def test_explicit_mosaic_where_it_spills_is_refused_but_interpret_still_runs():
+    cfg = ModelConfig.tiny(head_dim=128, dtype="float32")
+    with pytest.raises(ValueError, match=r"'pallas_mosaic' spills registers at dtype=float32 "
+                                         r"head_dim=128.*'auto'"):
+        get_attention_backend("pallas_mosaic", cfg, block_size=16,
+                              device=_FakeGpu("9.0", "NVIDIA H200"))
+    be = get_attention_backend("pallas_mosaic", cfg, block_size=16, interpret=True)
+    assert be.name == "pallas_mosaic"  # the kernel itself stays testable on CPU
+
+
+def test_triton_launch_follows_tile_dtype_and_head_dim():
+    from jaxserve.attention.pallas_triton import (PallasTritonBackend, choose_num_warps,
+                                                  chunk_keys_for)
+
+    # 64-row (prefill) tiles and f32 x d128 take 8 warps; 16-row bf16 / f32 d64 tiles 4
+    assert [choose_num_warps(m, d, dt) for m, d, dt in (
+        (16, 64, "bfloat16"), (64, 64, "bfloat16"), (16, 64, "float32"), (64, 64, "float32"),
+        (16, 128, "bfloat16"), (64, 128, "bfloat16"), (16, 128, "float32"),
+        (64, 128, "float32"))] == [4, 8, 4, 8, 4, 8, 8, 8]
+    assert chunk_keys_for(128, "float32") == 32 and chunk_keys_for(128, "bfloat16") == 64
+    kw = dict(num_queries_per_kv=4, head_dim=128)
+    assert PallasTritonBackend(block_size=16, dtype="float32", **kw).pages_per_chunk == 2
+    assert PallasTritonBackend(block_size=16, dtype="bfloat16", **kw).pages_per_chunk == 4
+    assert PallasTritonBackend(block_size=64, dtype="float32", **kw).pages_per_chunk == 1
+    assert PallasTritonBackend(block_size=16, chunk_keys=128, **kw).pages_per_chunk == 8

@@ -60,6 +60,23 @@ def test_program_stages_partition_program_keys():
     assert [cap for cap, _ in q.program_stages()] == [1, 2, 4, 8, 16]
 
 
+def test_the_compile_command_builds_exactly_the_warmup_set():
+    """`jaxserve compile` (jaxserve.gpu.deviceless) compiles `ModelRunner.warmup_keys()`:
+    the stages above flattened in build order, each key once, and exactly what a full
+    warm-up builds (the deviceless test checks the GPU side against the same set)."""
+    cfg, params = tiny_params()
+    config = make_engine_config(cfg, **dict(ARGS, enable_prompt_logprobs=True))
+    engine = LLMEngine(config, params, tiny_tokenizer(), model_name="tiny", warmup=False)
+    runner, policy = engine.runner, engine.bucket_policy
+    keys = runner.warmup_keys()
+    assert keys == [k for _, ks in policy.program_stages(score=True, ready_tokens=8) for k in ks]
+    assert sorted(keys) == sorted(policy.program_keys(score=True)) == [
+        ("head", 8), ("score", 8), ("score", 32), ("stack", 8), ("stack", 32)]
+    assert len(set(keys)) == len(keys)
+    runner.warmup(progress=False, mode="full")
+    assert set(runner.programs.programs) == set(keys)
+
+
 def test_scheduler_never_plans_past_the_token_cap():
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
                           token_buckets=(8, 16, 64))

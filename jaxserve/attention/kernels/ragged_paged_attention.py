@@ -152,7 +152,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, block_table, tile_seq, ti
         out_shape=jax.ShapeDtypeStruct((nt, kh, m_rows, d), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_bq{block_q}_gp{gp}_ppc{pages_per_chunk}_bs{bs}_d{d}",
+        name=(f"ragged_paged_attention_bq{block_q}_gp{gp}_ppc{pages_per_chunk}_bs{bs}_d{d}"
+              f"_w{num_warps}"),
     )(layer, tile_seq, tile_q_start, tile_pos0, tile_kv_end, block_table, qg, kc, vc)
     # [NT, K, block_q, Gp, D] -> per-token rows [T, K, Gp, D] -> [T, H, D]
     o = o.reshape(nt, kh, block_q, gp, d)

@@ -91,20 +91,36 @@ class MosaicTiles:
 
 def default_tiles(num_queries_per_kv: int, block_size: int, *, head_dim: int = 128,
                   dtype=jnp.bfloat16, decode: bool = True) -> MosaicTiles:
-    """Tiles for a bucket: M = 64 rows for decode, 128 for prefill when head_dim <= 64.
+    """Tiles for a bucket: M = 64 rows for decode, 128 for bf16 prefill when head_dim <= 64.
 
     One compute warpgroup holds S [M, 64] and O [M, D] in f32 registers: M = 128 at
     D = 128 would need ~256 registers per thread and spill, so D = 128 prefill keeps
-    M = 64 (the re-read KV of a sequence's next tile is then mostly an L2 hit).
+    M = 64 (the re-read KV of a sequence's next tile is then mostly an L2 hit). f32's
+    bf16x3 path needs more: its M = 128 tile at D = 64 spills (ptxas for sm_90a, deviceless:
+    255 registers, 196 B), so f32 keeps M = 64 (227 registers, 0 B). f32 at D = 128
+    spills even at the smallest tiles (M = 64, 64-key chunks, one slot: 68 B), so the
+    engine does not pick this kernel there (`F32_MAX_HEAD_DIM`; notes/issue25.md).
     64-key chunks (or one page when B > 64), two slots in flight, or one when two do
     not fit in shared memory (fp32 at head_dim 128: its bf16 hi/lo copies take room).
     """
     gp = next_pow2(num_queries_per_kv)
-    rows = 2 * WGMMA_M if not decode and head_dim <= 64 else WGMMA_M
+    bf16 = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    rows = 2 * WGMMA_M if not decode and head_dim <= 64 and bf16 else WGMMA_M
     tiles = MosaicTiles(block_q=max(1, rows // gp), pages_per_chunk=max(1, 64 // block_size))
     used = smem_bytes(tiles, num_queries_per_kv=num_queries_per_kv, block_size=block_size,
                       head_dim=head_dim, dtype=dtype)
     return tiles if used <= SMEM_BYTES else dataclasses.replace(tiles, pipeline_depth=1)
+
+
+# The largest head_dim whose f32 kernel compiles without register spills at the
+# default tiles (D = 128: 68 B of spills at M = 64, CK = 64; measured deviceless).
+F32_MAX_HEAD_DIM = 64
+
+
+def spill_free(head_dim: int, dtype) -> bool:
+    """Whether `default_tiles` compile without register spills for this head_dim and
+    dtype on sm_90a (bf16: every head_dim the kernel takes; f32: up to 64)."""
+    return jnp.dtype(dtype) != jnp.dtype(jnp.float32) or head_dim <= F32_MAX_HEAD_DIM
 
 
 def smem_bytes(tiles: MosaicTiles, *, num_queries_per_kv: int, block_size: int, head_dim: int,
