@@ -14,8 +14,9 @@ every token, N requests of one chat prompt with `max_tokens=1900`, greedy,
 `ignore_eos`. Once all N are decoding, the engine is timed over `--seconds`.
 
 Per case it prints: tokens per request per second (the goal is 1000 / D), the step
-period, host time per step and per row (the step period minus the time `step()` was blocked on the device and the time blocked on the device (its busy time plus any late wake-up of the
-fake's sleep), the device's idle fraction, and a per-phase breakdown of the host time:
+period, host time per step and per row (the step period minus the time `step()` was
+blocked on the device: its busy time plus any late wake-up of the fake's sleep), the
+device's busy time per step, its idle fraction, and a per-phase breakdown of the host time:
 schedule, runner host work (batch layout, the fake's bookkeeping; with `--real`
 also attention and sampling metadata), update_from_output, output processing
 (incremental detokenizer, stop checks, `RequestOutput` assembly) and the rest of
@@ -133,7 +134,12 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
     ids = [f"r{i}" for i in range(rows)]
     for rid in ids:
         engine.add_request(rid, list(prompt), sp)
-    while any(engine.scheduler.get_request(r).num_output_tokens == 0 for r in ids):
+    def decoding() -> bool:
+        live = [engine.scheduler.get_request(r) for r in ids]
+        if any(r is None for r in live):
+            raise RuntimeError("a request ended during its prefill (see the engine's log)")
+        return all(r.num_output_tokens for r in live)
+    while not decoding():
         engine.step()  # the prefills
     clock = PhaseClock()
     _instrument(engine, clock)

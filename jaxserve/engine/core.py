@@ -264,15 +264,16 @@ class LLMEngine:
         pending, self._pending = self._pending, []
         if self._awaiting_grammar:
             pending += self._admit_compiled()
-        if self.pauser.paused:  # paused: nothing is scheduled until resume_generation()
-            return self.provenance.fill(pending)
+        if self.pauser.paused or self.sleeper.is_sleeping:  # nothing is scheduled until
+            return self.provenance.fill(pending)  # resume_generation() / wake_up()
         return self.provenance.fill(pending + self._step())
 
     def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule(self.runner.token_cap)
         self.last_step_tokens = out.num_scheduled_tokens
         self.outputs.on_scheduled(out, time.monotonic())
-        if not out.scheduled:
+        if not out.scheduled:  # still the runner's: it drops the finished and preempted
+            self.runner.execute(out)
             return []
         try:
             results = self.runner.execute(out)
@@ -355,7 +356,7 @@ class LLMEngine:
         self.weight_version += 1
         if own:
             self.resume_generation()
-        self.scheduler.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache(stale_held=True)  # kept requests' KV is old
         return self.weight_version
 
     def pause_generation(self, mode: str = "abort", *, _new_version: int | None = None) -> None:

@@ -67,6 +67,7 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[int]] = {}
         self._req_tuple: dict[str, tuple[int, ...]] = {}  # cached tuple(self._req_blocks[rid])
         self._req_committed: dict[str, int] = {}  # leading blocks already committed
+        self._no_commit: set[str] = set()  # live requests whose KV predates a weight swap
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_evictions = 0
@@ -225,6 +226,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
+        if rid in self._no_commit:  # its KV is partly from the weights before a swap
+            return
         n_full = request.num_computed_tokens // self.block_size
         start = self._req_committed.get(rid, 0)
         if n_full <= start:
@@ -248,6 +251,7 @@ class KVCacheManager:
         blocks = self._req_blocks.pop(request_id, None)
         self._req_tuple.pop(request_id, None)
         self._req_committed.pop(request_id, None)
+        self._no_commit.discard(request_id)
         if not blocks:
             return 0
         for b in reversed(blocks):
@@ -258,9 +262,24 @@ class KVCacheManager:
                     self._free.move_to_end(b, last=False)
         return len(blocks)
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block nobody holds; returns how many."""
+    def reset_prefix_cache(self, *, stale_held: bool = False) -> int:
+        """Forget every cached block nobody holds; returns how many.
+
+        stale_held: the KV of the blocks requests hold is stale too (the weights changed
+        under requests that keep their KV, issue 28's "keep"): forget their hashes as
+        well, and never commit those requests' later blocks (they mix both weights'
+        KV); a later hit would hand old-weight KV to a new request.
+        """
         n = 0
+        if stale_held:
+            for rid, blocks in self._req_blocks.items():
+                self._no_commit.add(rid)
+                for b in blocks:
+                    h = self._hash[b]
+                    if h is not None:
+                        del self._cached[h]
+                        self._hash[b] = None
+                        n += 1
         for b in self._free:
             h = self._hash[b]
             if h is not None:

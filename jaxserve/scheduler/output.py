@@ -72,8 +72,11 @@ class ScheduledRequest:
 class NewRequestData:
     """A request the runner has not seen since it (re)started running (vLLM's
     `NewRequestData`): sent once, in the first plan that schedules it after admission
-    or after a preemption; the runner keeps it until the request finishes or is
-    preempted, and appends each token it samples for it.
+    or after a preemption; the runner keeps it, appends each token it samples for it,
+    drops it when a plan lists the request in `finished_ids` or `preempted_ids`, and
+    replaces it when new data for the same id comes (a request preempted outside
+    `schedule()`, by `fail_step` or `retract_running`, is in no `preempted_ids`: its old
+    copy stays until it is resent or finishes).
 
     Fields:
       request_id: the request.

@@ -478,9 +478,10 @@ class Scheduler:
             held.push(req)
         self.waiting = held
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix block no request holds; returns how many."""
-        return self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, *, stale_held: bool = False) -> int:
+        """Forget the cached prefix blocks no request holds (`stale_held`: held ones too,
+        see `KVCacheManager.reset_prefix_cache`); returns how many."""
+        return self.kv_cache_manager.reset_prefix_cache(stale_held=stale_held)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in any state (waiting, running, mid-chunk, preempted).

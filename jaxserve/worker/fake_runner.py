@@ -206,6 +206,8 @@ class FakeRunner:
         states, missing = self.requests.update(out)
         if not out.scheduled:
             return {}
+        if self.asleep:  # as ModelRunner: nothing runs without its memory
+            raise RuntimeError("FakeRunner.execute: the runner is asleep; wake_up() first")
         if self.build_batches:
             self.last_batch = build_batch(out, block_size=self.block_size,
                                           max_blocks_per_seq=self.max_blocks_per_seq)

@@ -344,9 +344,9 @@ class ModelRunner:
           RuntimeError: with `strict_compiles`, a shape warm-up did not build.
           Any device error of the step (the caller then calls `reset()`).
         """
-        if out.scheduled and self.sleeper.is_sleeping:  # before any state changes
+        states, missing = self.requests.update(out)  # first: drops what the plan ended
+        if out.scheduled and self.sleeper.is_sleeping:
             raise RuntimeError("ModelRunner.execute: the runner is asleep; wake_up() first")
-        states, missing = self.requests.update(out)
         if not out.scheduled:
             return {}
         host, errors = self._host_batch(out, states)

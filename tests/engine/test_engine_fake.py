@@ -194,3 +194,41 @@ def test_each_step_output_keeps_its_own_token_lists():
         assert type(c.token_ids) is list and c.token_ids == final.token_ids[:k]
         assert c.token_logprobs == final.token_logprobs[:k] and len(c.logprobs) == k
         assert c.num_tokens == k
+
+
+def test_the_runner_keeps_no_state_of_requests_ended_between_steps():
+    """Requests aborted by a pause (a plan with no rows follows) or by `abort` are
+    dropped from the runner's copies too: nothing accumulates across weight updates."""
+    eng = fake()
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for rnd in range(3):
+        for i in range(4):
+            eng.add_request(f"r{rnd}.{i}", "abc", sp)
+        eng.step()
+        eng.step()
+        assert len(eng.runner.requests) == 4
+        eng.pause_generation("abort")
+        eng.resume_generation()
+        eng.step()  # a plan with no rows, carrying the aborted ids
+        assert dict(eng.runner.requests) == {}, rnd
+    eng.add_request("x", "abc", sp)
+    eng.step()
+    eng.abort("x")
+    eng.step()
+    assert dict(eng.runner.requests) == {} and free_all(eng)
+
+
+def test_resume_inside_a_sleep_schedules_nothing_until_wake():
+    eng = fake()
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng.pause_generation("abort")
+    eng.sleep(1)
+    eng.resume_generation()  # the user's pause ends; the sleep goes on
+    eng.add_request("w", "a", sp)
+    assert eng.step() == [] and eng.step() == []
+    assert eng.scheduler.get_request("w").num_output_tokens == 0  # waits for the wake
+    eng.wake_up()
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step()})
+    assert done["w"].outputs[0].token_ids == [5, 6, 7, 8] and done["w"].finished

@@ -143,3 +143,27 @@ def test_written_blocks_are_never_shared():
     done = FakeRunner(s, check_invariants=True, on_step=check).run()
     assert len(done) == 10 and kv.prefix_cache_hits > 0
     assert_pool_clean(s)
+
+
+def test_a_weight_swap_under_kept_requests_leaves_no_stale_block_cached():
+    """Issue 28 "keep": after `reset_prefix_cache(stale_held=True)` no block a live
+    request holds is a hit, and the blocks it fills later (old and new weights' KV
+    mixed) are never committed; once it ends, requests cache again."""
+    s = make_scheduler(block_size=B, num_kv_blocks=40, budget=64)
+    p = prompt(2 * B + 1, 9)
+    s.add_request(make_req("kept", p, max_tokens=8))
+    fr = FakeRunner(s, check_invariants=True)
+    fr.step()  # the prefill: two full blocks committed
+    kv = s.kv_cache_manager
+    assert kv.get_computed_blocks(make_req("probe", p))[1] == 2 * B
+    assert s.reset_prefix_cache(stale_held=True) == 2
+    assert kv.get_computed_blocks(make_req("probe", p))[1] == 0
+    while s.has_unfinished_requests():  # fills a third block after the swap
+        fr.step()
+    full = p + fr.finished["kept"].output_token_ids
+    assert kv.get_computed_blocks(make_req("probe", full))[1] == 0
+    s.add_request(make_req("fresh", p, max_tokens=2))
+    while s.has_unfinished_requests():
+        fr.step()
+    assert kv.get_computed_blocks(make_req("probe", p))[1] == 2 * B  # caching again
+    assert_pool_clean(s)
