@@ -86,6 +86,12 @@ class Sleeper:
             self.scheduler.reset_prefix_cache()  # the cached blocks' contents go with the pool
             self.runner.sleep(level, discard_weights=discard_weights)
         except BaseException:
+            if getattr(self.runner, "is_sleeping", False):  # a partial sleep: undo it
+                try:
+                    self.runner.wake_up(SLEEP_TAGS)
+                except Exception:  # cannot undo (e.g. weights dropped): stay asleep,
+                    self.state = SleepState(level, bool(reject_new), own)  # wake_up works
+                    raise
             if own:
                 self.pauser.resume()
             raise

@@ -232,3 +232,21 @@ def test_resume_inside_a_sleep_schedules_nothing_until_wake():
     while eng.has_unfinished_requests():
         done.update({o.request_id: o for o in eng.step()})
     assert done["w"].outputs[0].token_ids == [5, 6, 7, 8] and done["w"].finished
+
+
+def test_a_sleep_that_fails_half_way_is_undone():
+    """The runner freed part of its memory, then failed: the engine wakes it again, so
+    it is neither asleep nor stuck, and generation goes on."""
+    eng = fake()
+    real_sleep = eng.runner.sleep
+
+    def half_then_fail(level, *, discard_weights=False):
+        real_sleep(level, discard_weights=discard_weights)  # the KV cache is freed
+        raise RuntimeError("injected: freeing the weights failed")
+
+    eng.runner.sleep = half_then_fail
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.sleep(2)
+    assert not eng.runner.is_sleeping and not eng.pauser.paused
+    outs = run(eng, prompt="a", temperature=0.0, max_tokens=3, ignore_eos=True)
+    assert outs[-1].outputs[0].token_ids == [5, 6, 7]
