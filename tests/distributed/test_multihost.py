@@ -36,7 +36,7 @@ def _result(out: str) -> dict:
 def test_two_processes_tp4_same_tokens_as_tp1_and_clean_exit():
     from jaxserve.engine import LLMEngine, make_engine_config
     from tests.conftest import tiny_params
-    from tests.test_tensor_parallel import assert_same_runs
+    from tests.distributed.test_tensor_parallel import assert_same_runs
     from tests.distributed.tp_worker import PROMPTS, TINY_ENGINE, TINY_HEADS, _run
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",

@@ -160,7 +160,7 @@ def test_bad_sizes_error_before_any_compile(xla):
 # ---------------------------------------------------------------- SmolLM2, TP = 3
 @pytest.mark.slow
 def test_smollm2_tp3_reproduces_hf_greedy():
-    from tests.test_real_model import GOLDEN, agree_until_near_tie
+    from tests.model.test_real_model import GOLDEN, agree_until_near_tie
 
     r = run_worker("smollm2", timeout=1800)
     golden = json.loads(GOLDEN.read_text())
@@ -204,7 +204,7 @@ def _lower_sharded_stack(kernel: str, tp: int, *, per_layer: bool = False) -> st
     from jaxserve.attention.pallas_triton import PallasTritonBackend
     from jaxserve.model.llama import param_shapes
     from jaxserve.worker.programs import StepBatch, _stack_fn
-    from tests.pallas.cases import empty_common
+    from tests.attention.cases import empty_common
 
     cfg = ModelConfig.tiny(num_attention_heads=H, num_key_value_heads=K, head_dim=64,
                            dtype="bfloat16")
@@ -257,8 +257,8 @@ def _lower_sharded_stack(kernel: str, tp: int, *, per_layer: bool = False) -> st
     ("triton", 2, "bq16_gp4", False), ("triton", 4, "bq32_gp2", True),
     ("mosaic", 2, "bq32_gp4", True)])
 def test_sharded_step_lowers_for_cuda(kernel, tp, local, per_layer):
-    from tests.pallas.test_lowering import TRITON_CALL
-    from tests.pallas.test_mosaic_lowering import MOSAIC_CALL
+    from tests.attention.test_lowering import TRITON_CALL
+    from tests.attention.test_mosaic_lowering import MOSAIC_CALL
 
     text = _lower_sharded_stack(kernel, tp, per_layer=per_layer)
     assert f"mhlo.num_partitions = {tp}" in text

@@ -147,7 +147,7 @@ def bad_sizes(cfg, params) -> dict:
 def smollm2_group() -> dict:
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
-    from tests.test_real_model import GOLDEN
+    from tests.model.test_real_model import GOLDEN
 
     golden = json.loads(GOLDEN.read_text())
     cfg, params, tok = load_model(resolve_model_path(None), dtype="float32")
