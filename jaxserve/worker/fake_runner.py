@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
 
 # The hooks see the runner's copy of a request (`CachedRequestState`: request_id,
-# prompt_token_ids, output_token_ids, all_token_ids, sampling_params, seed,
+# prompt_token_ids, output_token_ids, sampling_params, seed,
 # num_prompt_tokens, num_output_tokens, num_computed_tokens after the plan).
 TokenFn = Callable[[CachedRequestState, int], "int | SampledToken"]
 RequestPredicate = Callable[[CachedRequestState], bool]
@@ -79,7 +79,7 @@ def counting_token(vocab_size: int, max_logprobs: int) -> TokenFn:
     j = np.arange(1, max_logprobs + 1)
 
     def fn(req: CachedRequestState, pos: int) -> SampledToken:
-        last = req.all_token_ids[req.num_prompt_tokens + pos - 1]
+        last = req.output_token_ids[pos - 1] if pos else req.prompt_token_ids[-1]
         s = 1 if req.sampling_params.is_greedy else 2 + req.seed % 5
         return SampledToken(token_id=(last + s) % vocab_size, logprob=-0.1 * s,
                             top_ids=((last + s + j) % vocab_size).astype(np.int32),

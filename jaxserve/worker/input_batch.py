@@ -45,30 +45,26 @@ class CachedRequestState(TokenCounts):
       request_id, prompt_token_ids (tuple), sampling_params, seed, eos_token_ids,
       logprob_start: as in the plan's `NewRequestData`.
       output_token_ids: list of the outputs so far (the kept ones, then each token
-        the runner sampled); all_token_ids: prompt then outputs.
+        the runner sampled).
       num_computed_tokens: the row's KV length after the current plan (`end_pos`).
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "seed",
-                 "eos_token_ids", "logprob_start", "output_token_ids", "all_token_ids",
-                 "num_computed_tokens")
+                 "eos_token_ids", "logprob_start", "output_token_ids", "num_computed_tokens")
 
     def __init__(self, new: NewRequestData):
         self.request_id, self.prompt_token_ids = new.request_id, new.prompt_token_ids
         self.sampling_params, self.seed = new.sampling_params, new.seed
         self.eos_token_ids, self.logprob_start = new.eos_token_ids, new.logprob_start
         self.output_token_ids = list(new.output_token_ids)
-        self.all_token_ids = list(new.prompt_token_ids) + self.output_token_ids
         self.num_computed_tokens = 0
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
     def truncate(self, num_outputs: int) -> None:
         """Drop outputs past `num_outputs` (the engine did not keep them)."""
         del self.output_token_ids[num_outputs:]
-        del self.all_token_ids[self.num_prompt_tokens + num_outputs:]
 
 
 class RequestStates(dict):
