@@ -298,11 +298,10 @@ class OutputProcessor:
 
     @staticmethod
     def _completion(c: _Child) -> CompletionOutput:
-        ids = c.request.output_token_ids  # append-only, as are the two logprob lists:
-        n = len(ids)  # a ListPrefix is O(1) now and copied when read
-        out = CompletionOutput(
+        ids = c.request.output_token_ids  # append-only, as are the two logprob lists, so a
+        out = CompletionOutput(  # ListPrefix (O(1) now, copied when read) is a snapshot
             index=c.index, text=c.detok.output_text if c.detok else "",
-            token_ids=ListPrefix(ids, n), delta_text=c.delta_text,
+            token_ids=ListPrefix(ids, len(ids)), delta_text=c.delta_text,
             delta_token_ids=c.delta_ids,
             logprobs=None if c.logprobs is None else ListPrefix(c.logprobs, len(c.logprobs)),
             delta_logprobs=c.delta_logprobs if c.logprobs is not None else None,
