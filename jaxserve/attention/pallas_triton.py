@@ -123,11 +123,12 @@ class PallasTritonBackend:
         kc, vc = kvu.write_kv_pallas(kc, vc, k, v, md.slot_mapping, li, interpret=self.interpret)
         return (kc[0], vc[0]) if one_layer else (kc, vc)
 
-    def attention(self, q, k_cache, v_cache, md: PallasTritonMetadata, *, layer, sm_scale: float):
+    def attention(self, q, k_cache, v_cache, md: PallasTritonMetadata, *, layer, sm_scale: float,
+                  sliding_window=None):
         """See `AttentionBackend.attention`. Raises ValueError when q does not fit the cache."""
         return rpa.ragged_paged_attention(
             *tiled_kernel_args(q, k_cache, v_cache, md, layer, self.block_size),
             sm_scale=float(sm_scale), block_q=md.block_q, pages_per_chunk=self.pages_per_chunk,
             num_warps=choose_num_warps(md.block_q * rpa.next_pow2(self.num_queries_per_kv),
                                        self.head_dim, self.dtype),
-            interpret=self.interpret)
+            interpret=self.interpret, sliding_window=sliding_window)

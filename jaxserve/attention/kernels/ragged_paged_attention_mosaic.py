@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.attention.kernels.tiling import next_pow2  # noqa: F401 - re-exported
+from jaxserve.attention.kernels.tiling import next_pow2, window_scalar  # noqa: F401 - re-exported
 from jaxserve.attention.kernels.ragged_paged_attention_mosaic_kernel import (KernelStatic, kernel_scratch,
                                                                 rpa_kernel)
 
@@ -184,7 +184,8 @@ def _interpret_params(interpret):
 def ragged_paged_attention_mosaic(q, k_cache, v_cache, layer, block_table, tile_seq,
                                   tile_q_start, tile_pos0, tile_kv_end, token_out_row, *,
                                   sm_scale: float, tiles: MosaicTiles,
-                                  interpret: bool | plgpu.InterpretGPUParams = False):
+                                  interpret: bool | plgpu.InterpretGPUParams = False,
+                                  sliding_window=None):
     """Ragged paged attention over a stacked KV cache (Pallas, Mosaic GPU backend).
 
     Args:
@@ -198,6 +199,8 @@ def ragged_paged_attention_mosaic(q, k_cache, v_cache, layer, block_table, tile_
       sm_scale: softmax scale; tiles: static `MosaicTiles`.
       interpret: True (or an `plgpu.InterpretGPUParams`, e.g. with detect_races) runs
         the kernel in Pallas' GPU interpreter on CPU.
+      sliding_window: i32 scalar (data) or None: a query at position p sees keys at
+        positions > p - sliding_window only; chunks wholly before that are not loaded.
 
     Returns:
       [T, H, D] in q.dtype; rows of tokens in no sequence are 0.
@@ -238,7 +241,7 @@ def ragged_paged_attention_mosaic(q, k_cache, v_cache, layer, block_table, tile_
         grid=(nt, kh), grid_names=("tile", "kv_head"), **wgs,
         interpret=_interpret_params(interpret),
         kernel_name=f"ragged_paged_attention_mosaic_bq{bq}_gp{gp}_ck{st.ck}_d{d}",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), tile_seq, tile_pos0, tile_kv_end, block_table,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), window_scalar(sliding_window).reshape(1), tile_seq, tile_pos0, tile_kv_end, block_table,
       qg, k_cache, v_cache)
     # [NT, K, block_q, Gp, D] -> per-token rows [T, K, Gp, D] -> [T, H, D]
     o = o.reshape(nt, kh, bq, gp, d)
