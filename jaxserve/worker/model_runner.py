@@ -52,7 +52,8 @@ from jaxserve.worker.compile import CacheHits, ProgramKey, ProgramTable, aot_com
 from jaxserve.worker.executable_cache import ExecutableCache, program_key_parts
 from jaxserve.worker.input_batch import CachedRequestState, RequestStates, build_batch
 from jaxserve.worker.kv_cache import describe_capacity, resolve_num_kv_blocks
-from jaxserve.worker.layer_stack import LayerStackProgram, embed_fn, final_fn, layers_fn
+from jaxserve.worker.layer_stack import (LayerStackProgram, embed_fn, final_fn,
+                                         group_layer_ids, layers_fn)
 from jaxserve.worker.programs import StepBatch, _head_fn, _score_fn, _spec, _stack_fn
 from jaxserve.worker.runner import RowError, RowResult, RunnerStats, SampledToken
 from jaxserve.worker.scoring import merge_scores, scoring_plan, split_scores
@@ -143,7 +144,7 @@ class ModelRunner:
             emb_sh, lay_sh, fin_sh = self._group_shardings()
             # functools.partial: a callable of this runner's own, as the other programs
             # (JAX's in-memory caches are per callable; the compile accounting is per runner)
-            self._embed_jit = jax.jit(functools.partial(embed_fn), **emb_sh)
+            self._embed_jit = jax.jit(functools.partial(embed_fn, self.model_cfg), **emb_sh)
             self._layers_jit = jax.jit(functools.partial(layers_fn, self.model_cfg, self.backend),
                                        donate_argnums=(1, 2), **lay_sh)
             self._final_jit = jax.jit(functools.partial(final_fn, self.model_cfg), **fin_sh)
@@ -200,7 +201,7 @@ class ModelRunner:
         g, r, kv = self.group, self.tp.replicated, self.tp.kv_layer_sharding
         lps = jax.tree.map(lambda a: a.sharding, self.params["layers"][:g])
         return (dict(in_shardings=(self.params["embed"].sharding, r), out_shardings=r),
-                dict(in_shardings=(lps, [kv] * g, [kv] * g, r, r, r),
+                dict(in_shardings=(lps, [kv] * g, [kv] * g, r, r, r, r),
                      out_shardings=(r, [kv] * g, [kv] * g)),
                 dict(in_shardings=(r, r, r), out_shardings=(r, r)))
 
@@ -429,7 +430,8 @@ class ModelRunner:
         return {"embed": (self._embed_jit, (p["embed"], host.input_ids)),
                 "layers": (self._layers_jit, (p["layers"][:g], list(self._kv_specs[0][:g]),
                                               list(self._kv_specs[1][:g]), x, host.positions,
-                                              host.attn_md)),
+                                              host.attn_md,
+                                              jax.ShapeDtypeStruct((g,), jnp.int32))),
                 "final": (self._final_jit, (p["final_norm"], x, host.logits_indices))}
 
     def _compile(self, family: str, size: int, fn: Any, args: tuple) -> tuple[Any, str]:
@@ -453,7 +455,11 @@ class ModelRunner:
             kinds = {k for _, k in parts.values()}
             kind = next(k for k in ("built", "loaded", "restored") if k in kinds)
             return LayerStackProgram(embed=parts["embed"][0], layers=parts["layers"][0],
-                                     final=parts["final"][0], group=self.group), kind
+                                     final=parts["final"][0], group=self.group,
+                                     layer_ids=group_layer_ids(
+                                         self.cfg.num_hidden_layers, self.group,
+                                         None if self.tp.mesh is None else self.tp.replicated)
+                                     ), kind
         return self._compile(key[0], key[1], *self._example_args(key))
 
     def _rows_spec(self) -> jax.ShapeDtypeStruct:
