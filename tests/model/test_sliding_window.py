@@ -88,8 +88,8 @@ GEMMA_LIKE = dict(sandwich_norms=True, scale_embeddings=True, qk_norm=True,
                   query_pre_attn_scalar=24.0, final_logit_softcapping=3.0)
 
 
-@pytest.mark.parametrize("unroll", [True, False], ids=["layer_programs", "scan"])
-@pytest.mark.parametrize("family", ["llama", "gemma_like"])
+@pytest.mark.parametrize("family,unroll", [("gemma_like", True), ("llama", False)],
+                         ids=["gemma_like-layer_programs", "llama-scan"])
 def test_engine_with_windowed_layers_matches_the_dense_reference(family, unroll):
     """Window 5 on layers 0 and 2 of 3 (block size 4: the window spans page edges),
     prompts of 9-23 tokens prefilled in 8-token chunks, then decodes far past the window."""
