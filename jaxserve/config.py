@@ -74,7 +74,6 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, bool]]] = {
     "gemma3_text": ("Gemma3ForCausalLM", {"qk_norm": True, "sandwich_norms": True,
                                           "scale_embeddings": True}),
 }
-
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` values
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # transformers' Gemma3TextConfig default: 5 local, 1 global
@@ -87,17 +86,14 @@ def hf_layer_types(d: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | Non
     with `use_sliding_window`, on the layers `layer_types` marks "sliding_attention"
     (when absent: layers >= `max_window_layers`). Gemma 3: `layer_types`, or every
     layer whose (index + 1) is not a multiple of `sliding_window_pattern` (default 6).
-    (None, None) when no layer slides.
-    """
-    model_type = d.get("model_type", "llama")
-    window = d.get("sliding_window")
+    (None, None) when no layer slides."""
+    model_type, window, types = d.get("model_type", "llama"), d.get("sliding_window"), \
+        d.get("layer_types")
     L = int(d["num_hidden_layers"])
-    types = d.get("layer_types")
-    if window is None or model_type not in ("mistral", "qwen2", "qwen3", "gemma3_text"):
+    if window is None or model_type not in ("mistral", "qwen2", "qwen3", "gemma3_text") or (
+            model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window")):
         return None, None
     if model_type in ("qwen2", "qwen3"):
-        if not d.get("use_sliding_window"):
-            return None, None
         types = types or ["sliding_attention" if i >= int(d.get("max_window_layers", 0))
                           else "full_attention" for i in range(L)]
     elif model_type == "gemma3_text":
@@ -143,21 +139,16 @@ def hf_family_switches(d: dict[str, Any]) -> dict[str, bool]:
 class ModelConfig:
     """Architecture of a Llama-family decoder (HF `LlamaConfig` field names).
 
-    One decoder serves Llama 2/3, SmolLM, Mistral, Qwen2/Qwen2.5 and Qwen3; the
-    families differ only in these switches:
+    One decoder serves Llama 2/3, SmolLM, Mistral, Qwen2/Qwen2.5, Qwen3 (and Gemma 3's
+    block, below); the families differ only in these switches:
       attention_bias: q/k/v projections carry biases (Qwen2; the o projection never does).
       qk_norm: per-head RMSNorm over head_dim on q and k, before RoPE (Qwen3).
       head_dim: explicit, may differ from hidden_size / num_attention_heads (Qwen3, Mistral).
-      sliding_window / layer_types: local attention (Mistral v0.1, Qwen2/Qwen3 with
-        use_sliding_window, Gemma 3): a query of a "sliding_attention" layer sees its
-        last `sliding_window` keys, itself included (transformers' mask
-        `kv_idx > q_idx - sliding_window`); layer_types None with a window: every layer.
-    Gemma 3 (`jaxserve.model.gemma3`, Team Gemma 2025) adds: sandwich_norms (RMSNorms
-    after attention and around the MLP), scale_embeddings (x sqrt(hidden_size)),
-    hidden_act "gelu_pytorch_tanh", rope_local_base_freq (RoPE base of the sliding
-    layers), query_pre_attn_scalar (scores scaled by its -1/2 power instead of
-    head_dim's) and final_logit_softcapping (cap * tanh(logits / cap)). Its (1 + w)
-    RMSNorm weights are stored as (1 + w) by the loaders (llama.cpp's GGUF already
+      sliding_window / layer_types: a "sliding_attention" layer's query sees its last
+        `sliding_window` keys, itself included (transformers' `kv_idx > q_idx - window`);
+        layer_types None with a window: every layer (Mistral).
+    Gemma 3 (`jaxserve.model.gemma3`, Team Gemma 2025) adds the fields after
+    layer_types; its (1 + w) RMSNorm weights are stored as 1 + w (llama.cpp's GGUF
     holds them so), so the forward's RMSNorm is the Llama one.
 
     Shape letters used across the code: V=vocab_size, E=hidden_size,
@@ -208,9 +199,9 @@ class ModelConfig:
         _require(self.dtype in _DTYPES, f"ModelConfig.dtype={self.dtype!r} must be one of {_DTYPES}")
         _require(all(0 <= t < self.vocab_size for t in self.eos_token_ids),
                  f"ModelConfig.eos_token_ids={self.eos_token_ids} must lie in [0, {self.vocab_size})")
-        _require(self.sliding_window is None or (isinstance(self.sliding_window, int)
-                                                 and self.sliding_window >= 1),
-                 f"ModelConfig.sliding_window={self.sliding_window!r} must be None or an int >= 1")
+        w = self.sliding_window
+        _require(w is None or (isinstance(w, int) and w >= 1),
+                 f"ModelConfig.sliding_window={w!r} must be None or an int >= 1")
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             _require(len(self.layer_types) == self.num_hidden_layers
@@ -223,8 +214,8 @@ class ModelConfig:
         _require(self.hidden_act in ACTIVATIONS,
                  f"ModelConfig.hidden_act={self.hidden_act!r} must be one of {ACTIVATIONS}")
         for name in ("rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping"):
-            v = getattr(self, name)
-            _require(v is None or v > 0, f"ModelConfig.{name}={v!r} must be None or > 0")
+            _require(getattr(self, name) is None or getattr(self, name) > 0,
+                     f"ModelConfig.{name}={getattr(self, name)!r} must be None or > 0")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -245,8 +236,7 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        """The softmax scale of the scores: query_pre_attn_scalar ** -0.5 (Gemma), else
-        head_dim ** -0.5."""
+        """Softmax scale: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def replace(self, **kw: Any) -> "ModelConfig":
@@ -331,19 +321,17 @@ class ModelConfig:
 
     @classmethod
     def gemma3_270m(cls, **kw: Any) -> "ModelConfig":
-        """Gemma 3 270M (google/gemma-3-270m's config.json): 18 layers, 5 local (window
-        512) to 1 global, head_dim 256, a 262,144-token vocabulary; the Gemma test model."""
+        """Gemma 3 270M (google/gemma-3-270m's config.json): 18 layers, 5 local (window 512)
+        to 1 global, head_dim 256, a 262,144-token vocabulary; the Gemma test model."""
         base = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048,
                     num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
                     head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                    rope_theta=1_000_000.0, tie_word_embeddings=True, bos_token_id=2,
+                    rope_theta=1e6, tie_word_embeddings=True, bos_token_id=2,
                     eos_token_ids=(1, 106), qk_norm=True, sliding_window=512,
-                    layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else
-                                      "sliding_attention" for i in range(18)),
+                    layer_types=tuple(LAYER_TYPES[(i + 1) % 6 > 0] for i in range(18)),
                     sandwich_norms=True, scale_embeddings=True, hidden_act="gelu_pytorch_tanh",
-                    rope_local_base_freq=10000.0, query_pre_attn_scalar=256.0)
-        base.update(kw)
-        return cls(**base)
+                    rope_local_base_freq=1e4, query_pre_attn_scalar=256.0)
+        return cls(**{**base, **kw})
 
     @classmethod
     def llama3_8b(cls, **kw: Any) -> "ModelConfig":

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.ops import apply_rope, rms_norm
 
 
 def activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -45,8 +46,6 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     window: i32[] keys a query sees on this layer, or None (a global layer of a model
     with no sliding layer).
     """
-    from jaxserve.model.llama import apply_rope, rms_norm
-
     T = x.shape[0]
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps

@@ -39,6 +39,8 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.attention.common import NO_WINDOW, AttentionBackend, MdT
+from jaxserve.model import gemma3
+from jaxserve.model.ops import apply_rope, rms_norm  # noqa: F401 - re-exported
 from jaxserve.model.params import param_shapes  # noqa: F401 - re-exported
 
 # One layer's weights, and a parameter tree: the canonical one (layers stacked on [L]) or
@@ -205,24 +207,6 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate x [T, N, D] by positions i32[T] (HF rotate_half layout)."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.cos(freqs)[:, None, :]
-    sin = jnp.sin(freqs)[:, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich 2019) in fp32, cast back before the weight as HF does."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
-
-
 # An attention callback: (q [T,H,D], k [T,K,D], v [T,K,D], carry, layer, window) ->
 # (out [T,H,D], carry); window: i32[] keys a query sees (sliding window) or None.
 AttnFn = Callable[..., tuple[jax.Array, Any]]
@@ -263,8 +247,6 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     index = layer if layer_index is None else layer_index
     window = layer_window(cfg, index)
     if cfg.sandwich_norms:
-        from jaxserve.model import gemma3
-
         return gemma3.decoder_layer(cfg, x, lp, positions, layer_inv_freq(cfg, inv_freq, index),
                                     attn_fn, attn_carry, layer, window=window)
     T = x.shape[0]

@@ -115,12 +115,17 @@ def default_tiles(num_queries_per_kv: int, block_size: int, *, head_dim: int = 1
 # The largest head_dim whose f32 kernel compiles without register spills at the
 # default tiles (D = 128: 68 B of spills at M = 64, CK = 64; measured deviceless).
 F32_MAX_HEAD_DIM = 64
+# The same for bf16: D = 256 (Gemma 3) holds O [64, 256] f32 in one warpgroup's registers
+# and spills (255 registers, 560 B of spill stores at M = 64, CK = 64; deviceless ptxas for
+# sm_90a, issue 31); D = 128 does not.
+BF16_MAX_HEAD_DIM = 128
 
 
 def spill_free(head_dim: int, dtype) -> bool:
     """Whether `default_tiles` compile without register spills for this head_dim and
-    dtype on sm_90a (bf16: every head_dim the kernel takes; f32: up to 64)."""
-    return jnp.dtype(dtype) != jnp.dtype(jnp.float32) or head_dim <= F32_MAX_HEAD_DIM
+    dtype on sm_90a (bf16: up to 128; f32: up to 64)."""
+    f32 = jnp.dtype(dtype) == jnp.dtype(jnp.float32)
+    return head_dim <= (F32_MAX_HEAD_DIM if f32 else BF16_MAX_HEAD_DIM)
 
 
 def smem_bytes(tiles: MosaicTiles, *, num_queries_per_kv: int, block_size: int, head_dim: int,
