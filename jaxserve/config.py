@@ -199,18 +199,15 @@ class ModelConfig:
         _require(self.dtype in _DTYPES, f"ModelConfig.dtype={self.dtype!r} must be one of {_DTYPES}")
         _require(all(0 <= t < self.vocab_size for t in self.eos_token_ids),
                  f"ModelConfig.eos_token_ids={self.eos_token_ids} must lie in [0, {self.vocab_size})")
-        w = self.sliding_window
+        w, types = self.sliding_window, self.layer_types
         _require(w is None or (isinstance(w, int) and w >= 1),
                  f"ModelConfig.sliding_window={w!r} must be None or an int >= 1")
-        if self.layer_types is not None:
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
-            _require(len(self.layer_types) == self.num_hidden_layers
-                     and all(t in LAYER_TYPES for t in self.layer_types),
-                     f"ModelConfig.layer_types={self.layer_types!r} must hold one of "
-                     f"{LAYER_TYPES} per layer ({self.num_hidden_layers})")
-            _require(self.sliding_window is not None or "sliding_attention" not in self.layer_types,
-                     "ModelConfig.layer_types marks sliding_attention layers but sliding_window "
-                     "is None")
+        if types is not None:
+            object.__setattr__(self, "layer_types", types := tuple(types))
+            _require(len(types) == self.num_hidden_layers and set(types) <= set(LAYER_TYPES)
+                     and (w is not None or "sliding_attention" not in types),
+                     f"ModelConfig.layer_types={types!r} must hold one of {LAYER_TYPES} per "
+                     f"layer ({self.num_hidden_layers}), sliding ones only with a sliding_window")
         _require(self.hidden_act in ACTIVATIONS,
                  f"ModelConfig.hidden_act={self.hidden_act!r} must be one of {ACTIVATIONS}")
         for name in ("rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping"):
@@ -261,19 +258,16 @@ class ModelConfig:
         head_dim = d.get("head_dim") or d["hidden_size"] // h
         # transformers 5 moved rope settings to `rope_parameters`.
         rp = d.get("rope_parameters") or {}
-        local_rp = {}
-        if "full_attention" in rp:  # transformers 5: one rope_parameters per layer type
-            rp, local_rp = rp["full_attention"], rp.get("sliding_attention") or {}
+        rp, local_rp = ((rp["full_attention"], rp.get("sliding_attention") or {})  # per type
+                        if "full_attention" in rp else (rp, {}))  # (transformers 5 Gemma 3)
         rs = d.get("rope_scaling") or (rp if rp.get("rope_type") not in (None, "default") else None)
         theta = d.get("rope_theta", rp.get("rope_theta", 10000.0))
         gemma = {}
         if d.get("model_type") == "gemma3_text":
-            local = d.get("rope_local_base_freq", local_rp.get("rope_theta", 10000.0))
-            gemma = dict(rope_local_base_freq=float(local),
-                         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
-                         hidden_act=d.get("hidden_activation") or d.get("hidden_act")
-                         or "gelu_pytorch_tanh",
-                         final_logit_softcapping=d.get("final_logit_softcapping"))
+            gemma = dict(rope_local_base_freq=float(d.get("rope_local_base_freq", local_rp.get(
+                "rope_theta", 1e4))), query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+                hidden_act=d.get("hidden_activation") or d.get("hidden_act", "gelu_pytorch_tanh"),
+                final_logit_softcapping=d.get("final_logit_softcapping"))
         elif d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={d.get('hidden_act')!r} is not supported for "
                              f"model_type={d.get('model_type')!r} (only 'silu')")

@@ -93,14 +93,19 @@ class LayerStackProgram:
     layers: Any
     final: Any
     group: int
-    # i32[G] device arrays, the layer indices of each group (`group_layer_ids`)
+    # i32[G] device arrays, the layer indices of each group (`group_layer_ids`), made on
+    # the first call with the sharding the compiled layers program takes them in
     layer_ids: tuple = ()
 
     def __call__(self, params: dict, kv_cache: tuple, batch: Any) -> tuple[Any, tuple, Any]:
         x = self.embed(params["embed"], batch.input_ids)
         ks, vs = list(kv_cache[0]), list(kv_cache[1])
         lps, g = params["layers"], self.group
-        ids = self.layer_ids or group_layer_ids(len(lps), g)
+        if not self.layer_ids:
+            shardings = getattr(self.layers, "input_shardings", None)
+            object.__setattr__(self, "layer_ids", group_layer_ids(
+                len(lps), g, shardings[0][-1] if shardings else None))
+        ids = self.layer_ids
         for j, s in enumerate(range(0, len(lps), g)):
             x, ks[s:s + g], vs[s:s + g] = self.layers(lps[s:s + g], ks[s:s + g], vs[s:s + g], x,
                                                       batch.positions, batch.attn_md, ids[j])

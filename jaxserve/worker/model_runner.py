@@ -52,8 +52,7 @@ from jaxserve.worker.compile import CacheHits, ProgramKey, ProgramTable, aot_com
 from jaxserve.worker.executable_cache import ExecutableCache, program_key_parts
 from jaxserve.worker.input_batch import CachedRequestState, RequestStates, build_batch
 from jaxserve.worker.kv_cache import describe_capacity, resolve_num_kv_blocks
-from jaxserve.worker.layer_stack import (LayerStackProgram, embed_fn, final_fn,
-                                         group_layer_ids, layers_fn)
+from jaxserve.worker.layer_stack import LayerStackProgram, embed_fn, final_fn, layers_fn
 from jaxserve.worker.programs import StepBatch, _head_fn, _score_fn, _spec, _stack_fn
 from jaxserve.worker.pending import ModelPending
 from jaxserve.worker.runner import RowError, RowResult, RunnerStats
@@ -460,11 +459,7 @@ class ModelRunner:
             kinds = {k for _, k in parts.values()}
             kind = next(k for k in ("built", "loaded", "restored") if k in kinds)
             return LayerStackProgram(embed=parts["embed"][0], layers=parts["layers"][0],
-                                     final=parts["final"][0], group=self.group,
-                                     layer_ids=group_layer_ids(
-                                         self.cfg.num_hidden_layers, self.group,
-                                         None if self.tp.mesh is None else self.tp.replicated)
-                                     ), kind
+                                     final=parts["final"][0], group=self.group), kind
         return self._compile(key[0], key[1], *self._example_args(key))
 
     def _rows_spec(self) -> jax.ShapeDtypeStruct:

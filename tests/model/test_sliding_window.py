@@ -60,7 +60,7 @@ def test_gemma3_nested_text_config_and_per_type_rope_parameters():
 @pytest.mark.parametrize("kw,match", [
     (dict(sliding_window=0), "sliding_window=0 must be None or an int >= 1"),
     (dict(sliding_window=4, layer_types=("sliding_attention",)), "one of .* per layer \\(2\\)"),
-    (dict(layer_types=("sliding_attention", "full_attention")), "sliding_window is None"),
+    (dict(layer_types=("sliding_attention", "full_attention")), "only with a sliding_window"),
     (dict(hidden_act="relu"), "hidden_act='relu' must be one of"),
 ])
 def test_bad_window_settings_name_the_value(kw, match):
