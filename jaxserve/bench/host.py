@@ -46,6 +46,7 @@ class PhaseClock:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     device: float = 0.0
     launch: float = 0.0  # the part of `device` spent inside the runner's dispatch
+    h2d_bytes: int = 0  # host-to-device bytes of the steps timed (the real runner)
 
     def wrap(self, obj: Any, name: str, phase: str) -> None:
         """Replace `obj.name` by a wrapper that adds its wall time to `phase` ("device":
@@ -72,6 +73,7 @@ class PhaseClock:
         for k in self.seconds:
             self.seconds[k] = 0.0
         self.device = self.launch = 0.0
+        self.h2d_bytes = 0
 
 
 @dataclass
@@ -90,6 +92,7 @@ class HostResult:
     host_us_per_row: float
     device_idle: float
     phases_ms_per_step: dict[str, float]
+    h2d_kib_per_step: float | None = None  # host arrays a step sends (the real runner)
 
 
 def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any,
@@ -126,6 +129,15 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
         clock.wrap(engine.outputs, name, "output")
     runner = engine.runner
     if hasattr(runner, "launch_host_batch"):  # the real runner: time its device half
+        launch = runner.launch_host_batch
+
+        def counted(host, *a, **kw):  # the bytes of the host arrays the step copies (a
+            import jax  # read-only one is a constant the runner keeps on the device)
+            import numpy as np
+            clock.h2d_bytes += sum(x.nbytes for x in jax.tree.leaves(host)
+                                   if isinstance(x, np.ndarray) and x.flags.writeable)
+            return launch(host, *a, **kw)
+        runner.launch_host_batch = counted
         clock.wrap(runner, "launch_host_batch", "launch")
         clock.wrap(runner, "fetch_step", "device")
     clock.wrap(runner, "dispatch", "runner_host")
@@ -187,7 +199,8 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
         period_ms=round(period * 1e3, 3), device_ms_per_step=round(device / steps * 1e3, 3),
         host_ms_per_step=round(host * 1e3, 3), host_us_per_row=round(host / rows * 1e6, 1),
         device_idle=round(1 - device / wall, 3),
-        phases_ms_per_step={k: round(v / steps * 1e3, 3) for k, v in phases.items()})
+        phases_ms_per_step={k: round(v / steps * 1e3, 3) for k, v in phases.items()},
+        h2d_kib_per_step=round(clock.h2d_bytes / steps / 1024, 1) if real else None)
     log(_row(res))
     return res
 
@@ -198,7 +211,8 @@ def _row(r: HostResult) -> str:
     return (f"{r.runner:25s} N={r.rows:<5d} D={d:>4s} ms  tok/req/s={r.tokens_per_request_per_s:8.1f}"
             f"  period={r.period_ms:7.2f} ms  device={r.device_ms_per_step:6.2f} ms"
             f"  host={r.host_ms_per_step:6.2f} ms ({r.host_us_per_row:6.1f} us/row)"
-            f"  idle={r.device_idle:5.1%}  [{ph}]")
+            f"  idle={r.device_idle:5.1%}  [{ph}]"
+            + ("" if r.h2d_kib_per_step is None else f"  h2d={r.h2d_kib_per_step:.0f} KiB/step"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
