@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 _DTYPES = ("float32", "bfloat16")
+# --quantization values (vLLM's flag); jaxserve.model.quant.SCHEMES is this tuple.
+QUANTIZATION_SCHEMES = ("auto", "none", "int8", "q8_0", "q4")
 
 
 def max_blocks_per_seq(max_model_len: int, block_size: int) -> int:
@@ -376,6 +378,11 @@ class EngineConfig:
     # warm-up, every program of a full one) at once; XLA:CPU compiles one program on
     # one core. The background stages use one thread (serving goes on beside them).
     compile_threads: int = 2
+    # Weight-only quantization (vLLM's `quantization`): "auto" keeps the checkpoint's own
+    # (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks stay blocks; float files stay float),
+    # "none" full precision, "int8" (per-channel), "q8_0" (blocks of 32) and "q4" (Q4_1-style
+    # blocks of 32) quantize float matrices at load (`jaxserve.model.quant`).
+    quantization: Literal["auto", "none", "int8", "q8_0", "q4"] = "auto"
 
     def __post_init__(self):
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
@@ -389,6 +396,9 @@ class EngineConfig:
                  f"divisor of num_hidden_layers={L}")
         _require(isinstance(self.compile_threads, int) and self.compile_threads >= 1,
                  f"EngineConfig.compile_threads={self.compile_threads!r} must be a positive int")
+        _require(self.quantization in QUANTIZATION_SCHEMES,
+                 f"EngineConfig.quantization={self.quantization!r} must be one of "
+                 f"{'|'.join(QUANTIZATION_SCHEMES)}")
         _require(self.warmup in ("full", "progressive"),
                  f"EngineConfig.warmup={self.warmup!r} must be 'full' or 'progressive'")
         _require(self.attention_backend in ("auto", "xla", "pallas", "pallas_mosaic",

@@ -32,12 +32,13 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.attention import AttentionBackend
+from jaxserve.model.linear import embed_rows
 from jaxserve.model.llama import decoder_layer, paged_attn, rms_norm, rope_inv_freq
 
 
 def embed_fn(embed: jax.Array, input_ids: jax.Array) -> jax.Array:
-    """Token embedding: embed [V, E] gathered at input_ids i32[T] -> [T, E]."""
-    return embed[input_ids]
+    """Token embedding: embed [V, E] (float or quantized) gathered at input_ids i32[T] -> [T, E]."""
+    return embed_rows(embed, input_ids)
 
 
 def layers_fn(cfg: ModelConfig, backend: AttentionBackend, layer_params: list, k_caches: list,

@@ -45,6 +45,7 @@ from jaxserve.attention import CommonAttentionMetadata, get_attention_backend
 from jaxserve.config import EngineConfig, max_blocks_per_seq
 from jaxserve.distributed.tensor_parallel import OwnedHostParams, TensorParallel
 from jaxserve.model.llama import prepare_params
+from jaxserve.model.quant import engine_scheme
 from jaxserve.sample.metadata import SamplingMetadata, SamplingRow, make_sampling_metadata
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
@@ -126,8 +127,12 @@ class ModelRunner:
             config.attention_backend, self.model_cfg, block_size=self.block_size,
             interpret=config.attention_interpret, device=self.tp.devices[0]))
         owned = isinstance(params, OwnedHostParams)  # the caller gave the tree away
+        tree = params.tree if owned else params
+        # Weight-only quantization (issue 26): validated before any compile.
+        self.quant_scheme = engine_scheme(config.quantization, tree,
+                                          tensor_parallel_size=config.tensor_parallel_size)
         self.params = prepare_params(
-            self.cfg, params.tree if owned else params, unroll_layers=config.unroll_layers,
+            self.cfg, tree, unroll_layers=config.unroll_layers, quantization=self.quant_scheme,
             place=functools.partial(self.tp.place_params, alias_host=owned))
         # Layer-group programs (`jaxserve.worker.layer_stack`) with unrolled layers; the scan keeps
         # the one-program stack over the stacked [L, ...] weights and cache.
@@ -236,7 +241,8 @@ class ModelRunner:
         layout leaf for leaf (shape, dtype); a leaf placed otherwise (e.g. on a
         training mesh) is resharded to the engine's sharding with `jax.device_put`,
         so every AOT program runs them unchanged: nothing is recompiled. On any
-        error the old weights stay.
+        error the old weights stay. Into a quantized engine, full-precision weights are
+        quantized on the way in, each to its live leaf's format (issue 26).
 
         Raises:
           ValueError: a missing/extra/mis-shaped/non-floating leaf (from
@@ -249,7 +255,8 @@ class ModelRunner:
         if isinstance(params, OwnedHostParams):  # a swap between steps: always a copy
             params = params.tree
         new = prepare_params(self.cfg, params, unroll_layers=self.config.unroll_layers,
-                             place=self.tp.place_params)
+                             place=self.tp.place_params, quantization=self.quant_scheme,
+                             like=self.params)  # float weights into a quantized engine
         old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.params)
         new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
         if old_def != new_def:
