@@ -127,8 +127,7 @@ class ModelRunner:
             config.attention_backend, self.model_cfg, block_size=self.block_size,
             interpret=config.attention_interpret, device=self.tp.devices[0]))
         owned = isinstance(params, OwnedHostParams)  # the caller gave the tree away
-        tree = params.tree if owned else params
-        # Weight-only quantization (issue 26): validated before any compile.
+        tree = params.tree if owned else params  # quantization checked before any compile:
         self.quant_scheme = engine_scheme(config.quantization, tree,
                                           tensor_parallel_size=config.tensor_parallel_size)
         self.params = prepare_params(
