@@ -36,24 +36,35 @@ def dequantize_jnp(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
             + w.min[..., None].astype(dtype)).reshape(w.shape)
 
 
-def _use_native(m: int, w: QuantizedWeight) -> bool:
-    return (jax.default_backend() == "cpu" and m <= NATIVE_MAX_ROWS and w.block % 32 == 0
-            and w.shape[-1] % 32 == 0 and native_qmatmul.available())
+def _native_fits(m: int, w: QuantizedWeight) -> bool:
+    return (m <= NATIVE_MAX_ROWS and w.block % 32 == 0 and w.shape[-1] % 32 == 0
+            and native_qmatmul.available())
+
+
+def _native(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    y = native_qmatmul.qmatmul(x, w.q, w.scale, w.min, kind=w.kind, block=w.block)
+    return y.astype(x.dtype)
+
+
+def _dequant_dot(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    wd = dequantize_jnp(w, x.dtype)
+    return jax.lax.dot_general(x, wd, (((1,), (1,)), ((), ())))
 
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, native: bool | None = None
                      ) -> jax.Array:
     """x [M, K] @ W^T for W [N, K] quantized -> [M, N] in x.dtype.
 
-    native: force the native CPU kernel (True) or the dequantize + dot path (False);
-    None picks as the module docstring says.
+    native: force the native CPU kernel (True) or the dequantize + dot path (False).
+    None: `jax.lax.platform_dependent` picks at lowering time, so one trace serves both
+    a CPU program (the native kernel, when M <= NATIVE_MAX_ROWS and it builds) and a GPU
+    one (the dequantize + dot path; also what a deviceless GPU compile lowers).
     """
-    m = x.shape[0]
-    if native if native is not None else _use_native(m, w):
-        y = native_qmatmul.qmatmul(x, w.q, w.scale, w.min, kind=w.kind, block=w.block)
-        return y.astype(x.dtype)
-    wd = dequantize_jnp(w, x.dtype)
-    return jax.lax.dot_general(x, wd, (((1,), (1,)), ((), ())))
+    if native is True:
+        return _native(x, w)
+    if native is False or not _native_fits(x.shape[0], w):
+        return _dequant_dot(x, w)
+    return jax.lax.platform_dependent(x, w, cpu=_native, default=_dequant_dot)
 
 
 def linear(x: jax.Array, w) -> jax.Array:

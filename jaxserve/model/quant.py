@@ -241,3 +241,22 @@ def engine_scheme(quantization: str, tree: Any, *, tensor_parallel_size: int) ->
             f"would have to hold whole {Q4_BLOCK}-element blocks, K / {tensor_parallel_size} "
             f"per device); use quantization='none' with tensor parallelism")
     return scheme
+
+
+def abstract_quantized(shape: tuple[int, ...], scheme: str, *, key: str) -> QuantizedWeight:
+    """A QuantizedWeight of zero-stride NumPy blocks for a canonical leaf of `shape` under
+    `scheme` (the format `quantize_leaf` would give it), owning no memory: for
+    deviceless compiles (`jaxserve.gpu.deviceless.abstract_params`)."""
+    *lead, a, b = shape
+    n, k = (a, b) if key == "embed" else (b, a)
+    q8 = scheme != "q4" or key in TOP_KEYS
+    block = k if scheme == "int8" else Q8_0_BLOCK if q8 else Q4_BLOCK
+
+    def zeros(dt, *s):
+        return np.broadcast_to(np.zeros((), dt), (*lead, n, *s))
+
+    scale = zeros(np.float32, k // block)
+    if q8:
+        return QuantizedWeight(zeros(np.int8, k), scale, None, "q8", block)
+    return QuantizedWeight(zeros(np.uint8, k // 2), scale, zeros(np.float32, k // block), "q4",
+                           block)

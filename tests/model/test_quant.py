@@ -183,3 +183,17 @@ def test_engine_on_quantized_weights(scheme):
     assert want2 != want
     assert _greedy(engine, prompts, 6) == want2
     assert engine.get_stats()["num_compiles_after_warmup"] == 0
+
+
+@pytest.mark.parametrize("scheme", ["int8", "q8_0", "q4"])
+@pytest.mark.parametrize("key,shape", [("wq", (2, 64, 96)), ("embed", (11, 64)),
+                                       ("lm_head", (64, 11))])
+def test_abstract_quantized_matches_the_real_format(scheme, key, shape):
+    """Deviceless compiles trace the same tree structure, shapes and dtypes as a real
+    quantized engine, owning no memory."""
+    real = quant.quantize_leaf(np.ones(shape, np.float32), scheme, key=key)
+    fake = quant.abstract_quantized(shape, scheme, key=key)
+    spec = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)  # noqa: E731
+    assert jax.tree.structure(fake) == jax.tree.structure(real)
+    assert spec(fake) == spec(real)
+    assert all(a.strides == (0,) * a.ndim for a in jax.tree.leaves(fake))
