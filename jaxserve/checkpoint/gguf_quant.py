@@ -2,7 +2,7 @@
 `load_model(..., quantization=...)` for a GGUF file.
 
 Q8_0, Q4_0 and Q4_1 tensors become `jaxserve.model.quant.QuantizedWeight`s straight from
-the file's bytes (scales f16 -> f32, exact; Q4_0's d * (q - 8) as scale d, min -8 d);
+the file's bytes (f16 scales as stored; Q4_0's d * (q - 8) as scale d, min -8 d);
 nothing is dequantized to float. Other quantized types (Q5_0/Q5_1, the K-quants) are
 dequantized and requantized to Q8_0 blocks (more bits than they had: never fewer).
 F32/F16/BF16 matrices stay float, so the engine's scheme (`quant.engine_scheme`)
@@ -44,14 +44,17 @@ def blocks_of(t: Any, path: Path) -> QuantizedWeight | None:
     if qtype not in _BLOCK_BYTES:
         return quantize_q8(dequantize_tensor(t, path))
     raw = np.asarray(t.data, np.uint8).reshape(n, k // 32, _BLOCK_BYTES[qtype])
-    d = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    d = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
     if qtype == Q.Q8_0:
         q = np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k)
         return QuantizedWeight(q, d, None, "q8", 32)
-    if qtype == Q.Q4_0:
-        q, mn = raw[..., 2:], np.float32(-8) * d
+    if qtype == Q.Q4_0:  # -8 d is exact in f16 (a power of two) unless it overflows
+        q, mn = raw[..., 2:], (np.float32(-8) * d.astype(np.float32)).astype(np.float16)
+        if not np.all(np.isfinite(mn) | ~np.isfinite(d)):
+            raise CheckpointError(f"{path}: tensor '{t.name}': a Q4_0 scale above 8191 "
+                                  "cannot be kept as Q4_1 blocks; use quantization='none'")
     else:
-        mn = np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+        mn = np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0]
         q = raw[..., 4:]
     return QuantizedWeight(np.ascontiguousarray(q).reshape(n, k // 2), d, mn, "q4", 32)
 

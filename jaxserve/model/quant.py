@@ -3,7 +3,7 @@
 A `QuantizedWeight` holds one linear layer's matrix (or the stacked [L] matrices) as
 llama.cpp's block formats do (ggml `block_q8_0` / `block_q4_0` / `block_q4_1`, Gerganov
 et al., llama.cpp): the contraction axis K is cut into blocks of `block` elements, each
-with its own f32 scale (and, for 4-bit, an f32 offset):
+with its own f16 scale (and, for 4-bit, an f16 offset), as ggml stores them:
 
   kind "q8": q int8[..., N, K],    w = scale[n, k // block] * q[n, k]
   kind "q4": q uint8[..., N, K/2], w = scale[n, k // block] * nib[n, k] + min[n, k // block]
@@ -15,6 +15,7 @@ GGUF tensor's bytes map onto it without any repacking. The canonical parameter t
 float matrices are [in, out] = [K, N]; a quantized leaf is stored [N, K] (the embedding
 [V, E] is already [N, K] for the tied LM head). Q4_0's `d * (q - 8)` is kept as
 scale = d, min = -8 d, which is bit-identical in f32 (d * q and 8 d are exact).
+Dequantization converts the f16 scales to f32 (exact) and multiplies in f32, as ggml.
 
 The scheme names follow vLLM's `--quantization` flag: `SCHEMES`; `resolve_scheme` turns
 one into what is kept / quantized for a given checkpoint, and `quantize_tree` applies it
@@ -47,8 +48,8 @@ class QuantizedWeight:
 
     Fields:
       q: int8[..., N, K] ("q8") or uint8[..., N, K // 2] ("q4", two nibbles a byte).
-      scale: f32[..., N, K // block].
-      min: f32[..., N, K // block] for "q4"; None for "q8".
+      scale: f16[..., N, K // block].
+      min: f16[..., N, K // block] for "q4"; None for "q8".
       kind: "q8" | "q4" (static: part of the tree structure, hence of every program key).
       block: elements per block along K (static); 32 for q4 and Q8_0, K for per-channel int8.
     """
@@ -67,8 +68,8 @@ class QuantizedWeight:
 
     @property
     def dtype(self):
-        """The dtype it dequantizes to (its scales'): f32."""
-        return self.scale.dtype
+        """The dtype it dequantizes to: f32."""
+        return np.dtype(np.float32)
 
     @property
     def nbytes(self) -> int:
@@ -112,48 +113,52 @@ def _blocks(w: np.ndarray, block: int) -> np.ndarray:
 
 
 def quantize_q8(w: np.ndarray, block: int = Q8_0_BLOCK) -> QuantizedWeight:
-    """Float [..., N, K] -> "q8" blocks, as ggml's `quantize_row_q8_0_ref`: d = amax / 127,
-    q = round(w / d). block = K gives per-channel int8 (one scale per output row).
+    """Float [..., N, K] -> "q8" blocks, as ggml's `quantize_row_q8_0_ref`: d = amax / 127
+    stored as f16, q = round(w / d) (with the stored d, so |w - d q| <= d / 2). block = K
+    gives per-channel int8 (one scale per output row).
 
     Raises:
       ValueError: K is not a multiple of block.
     """
     b = _blocks(np.asarray(w, np.float32), block)
-    d = np.abs(b).max(axis=-1) / np.float32(127)
+    d16 = (np.abs(b).max(axis=-1) / np.float32(127)).astype(np.float16)
+    d = d16.astype(np.float32)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
     q = np.clip(np.round(b * inv[..., None]), -127, 127).astype(np.int8)
-    return QuantizedWeight(q.reshape(w.shape), d.astype(np.float32), None, "q8", block)
+    return QuantizedWeight(q.reshape(w.shape), d16, None, "q8", block)
 
 
 def quantize_q4(w: np.ndarray) -> QuantizedWeight:
     """Float [..., N, K] -> "q4" blocks of 32, as ggml's `quantize_row_q4_1_ref`:
-    d = (max - min) / 15, nib = round((w - min) / d) in [0, 15].
+    d = (max - min) / 15 and min stored as f16, nib = round((w - min) / d) in [0, 15]
+    (with the stored d and min).
 
     Raises:
       ValueError: K is not a multiple of 32.
     """
     b = _blocks(np.asarray(w, np.float32), Q4_BLOCK)
     lo, hi = b.min(axis=-1), b.max(axis=-1)
-    d = (hi - lo) / np.float32(15)
+    d16, lo16 = ((hi - lo) / np.float32(15)).astype(np.float16), lo.astype(np.float16)
+    d, lo = d16.astype(np.float32), lo16.astype(np.float32)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
     nib = np.clip(np.round((b - lo[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
     packed = nib[..., :16] | (nib[..., 16:] << 4)
     *lead, n, k = w.shape
-    return QuantizedWeight(packed.reshape(*lead, n, k // 2), d.astype(np.float32),
-                           lo.astype(np.float32), "q4", Q4_BLOCK)
+    return QuantizedWeight(packed.reshape(*lead, n, k // 2), d16, lo16, "q4", Q4_BLOCK)
 
 
 def dequantize(qw: QuantizedWeight, dtype=np.float32) -> np.ndarray:
     """The NumPy reference dequantization: [..., N, K] in `dtype` (float64 for tests).
     In float32 it is bit-identical to ggml's (and gguf-py's) dequantization of the same blocks."""
-    q, scale = np.asarray(qw.q), np.asarray(qw.scale, dtype)
+    q, scale = np.asarray(qw.q), np.asarray(qw.scale).astype(np.float32).astype(dtype)
     *lead, n, _ = q.shape
     if qw.kind == "q8":
         b = q.reshape(*lead, n, -1, qw.block).astype(dtype)
         return (b * scale[..., None]).reshape(qw.shape)
     pb = q.reshape(*lead, n, -1, 16)
     nib = np.concatenate([pb & 15, pb >> 4], axis=-1).astype(dtype)
-    return (nib * scale[..., None] + np.asarray(qw.min, dtype)[..., None]).reshape(qw.shape)
+    mn = np.asarray(qw.min).astype(np.float32).astype(dtype)
+    return (nib * scale[..., None] + mn[..., None]).reshape(qw.shape)
 
 
 def resolve_scheme(quantization: str, *, kept_kinds: set[str], source: str) -> str:
@@ -255,8 +260,8 @@ def abstract_quantized(shape: tuple[int, ...], scheme: str, *, key: str) -> Quan
     def zeros(dt, *s):
         return np.broadcast_to(np.zeros((), dt), (*lead, n, *s))
 
-    scale = zeros(np.float32, k // block)
+    scale = zeros(np.float16, k // block)
     if q8:
         return QuantizedWeight(zeros(np.int8, k), scale, None, "q8", block)
-    return QuantizedWeight(zeros(np.uint8, k // 2), scale, zeros(np.float32, k // block), "q4",
+    return QuantizedWeight(zeros(np.uint8, k // 2), scale, zeros(np.float16, k // block), "q4",
                            block)

@@ -2,20 +2,24 @@
 // ggml-style blocks along K (jaxserve/model/quant.py documents the formats), dequantized
 // on the fly: the weights are read once per call, never written out in float.
 //
-//   q8: q s8[N, K], scale f32[N, K/block]           w = scale * q
-//   q4: q u8[N, K/2], scale, min f32[N, K/32]       w = scale * nib + min
+//   q8: q s8[N, K], scale f16[N, K/block]           w = scale * q
+//   q4: q u8[N, K/2], scale, min f16[N, K/32]       w = scale * nib + min
+//   (f16 scales converted to f32 exactly, the products in f32, as ggml)
 //       (byte j of a 32-block: element j in the low nibble, element j + 16 in the high one)
 //
-// Register tiles of 4 weight rows x 2 rows of x (AVX2/FMA): each 32-element sub-block
-// of the 4 weight rows is dequantized in registers (int8 / nibbles -> f32, times the
-// block's scale, plus its min) and multiplied into the 8 accumulators; no dequantized
-// copy of W is ever written. K and block must be multiples of 32. Output rows are split
+// Up to kDirectRows rows of x (decode of one or two sequences): register tiles of 4
+// weight rows x 1-2 rows of x (AVX2/FMA); each 32-element sub-block of the 4 weight rows
+// is dequantized in registers (int8 / nibbles -> f32, times the block's scale, plus its
+// min) and multiplied into the accumulators; no dequantized copy of W is written.
+// More rows: each task dequantizes its 32 weight rows once into a small f32 panel (L2)
+// and multiplies it by all rows of x with 4 x 3 register tiles. K and block must be multiples of 32. Output rows are split
 // into tasks of kRowsPerTask weight rows, taken by XLA's intra-op thread pool
 // (ffi::ThreadPool) and the calling thread. Activations stay f32. Without AVX2 a
 // portable scalar loop computes the same sums.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -31,15 +35,39 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// IEEE half -> float (exact), portable: one per block and row, off the inner loop.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 constexpr int64_t kRowsPerTask = 32;
+constexpr int64_t kDirectRows = 2;  // up to this many rows of x: dequantize in registers
 
 struct Work {
   int64_t M, N, K, block, nb;
   bool q4;
   const float* x;
   const void* q;
-  const float* scale;
-  const float* mn;
+  const uint16_t* scale;  // f16 bits
+  const uint16_t* mn;
   float* y;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -66,9 +94,9 @@ inline float HSum(__m256 v) {
 template <bool Q4>
 inline void Dequant32(const Work& w, int64_t n, int64_t sb, __m256 out[4]) {
   const int64_t b = (sb * 32) / w.block;
-  const __m256 d = _mm256_set1_ps(w.scale[n * w.nb + b]);
+  const __m256 d = _mm256_set1_ps(HalfToFloat(w.scale[n * w.nb + b]));
   if constexpr (Q4) {
-    const __m256 m = _mm256_set1_ps(w.mn[n * w.nb + b]);
+    const __m256 m = _mm256_set1_ps(HalfToFloat(w.mn[n * w.nb + b]));
     const __m128i raw = _mm_loadu_si128(
         reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.q) + n * (w.K / 2) + sb * 16));
     const __m128i mask = _mm_set1_epi8(15);
@@ -116,8 +144,54 @@ void Rows(const Work& w, int64_t n0) {
   if (r < w.M) Tile<Q4, NT, 1>(w, n0, r);
 }
 
+// Panel path (M > kDirectRows): the task's weight rows are dequantized once into an
+// f32 panel [rows, K] (L2-resident), then an fp32 register-tiled product of NT panel
+// rows x RT rows of x, so the dequantization is not repeated for every pair of x rows.
+template <int NT, int RT>
+void PanelTile(const Work& w, const float* panel, int64_t p0, int64_t n0, int64_t r0) {
+  __m256 acc[NT][RT];
+  for (int i = 0; i < NT; ++i)
+    for (int r = 0; r < RT; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < w.K; k += 8) {
+    __m256 wv[NT];
+    for (int i = 0; i < NT; ++i) wv[i] = _mm256_loadu_ps(panel + (p0 + i) * w.K + k);
+    for (int r = 0; r < RT; ++r) {
+      const __m256 xv = _mm256_loadu_ps(w.x + (r0 + r) * w.K + k);
+      for (int i = 0; i < NT; ++i) acc[i][r] = _mm256_fmadd_ps(wv[i], xv, acc[i][r]);
+    }
+  }
+  for (int i = 0; i < NT; ++i)
+    for (int r = 0; r < RT; ++r) w.y[(r0 + r) * w.N + n0 + p0 + i] = HSum(acc[i][r]);
+}
+
+template <int NT>
+void PanelRows(const Work& w, const float* panel, int64_t p0, int64_t n0) {
+  int64_t r = 0;
+  for (; r + 3 <= w.M; r += 3) PanelTile<NT, 3>(w, panel, p0, n0, r);
+  for (; r < w.M; ++r) PanelTile<NT, 1>(w, panel, p0, n0, r);
+}
+
+template <bool Q4>
+void RunPanel(const Work& w, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> panel;
+  panel.resize((n1 - n0) * w.K);
+  const int64_t nsb = w.K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* row = panel.data() + (n - n0) * w.K;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      __m256 v[4];
+      Dequant32<Q4>(w, n, sb, v);
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(row + sb * 32 + 8 * c, v[c]);
+    }
+  }
+  int64_t p = 0;
+  for (; p + 4 <= n1 - n0; p += 4) PanelRows<4>(w, panel.data(), p, n0);
+  for (; p < n1 - n0; ++p) PanelRows<1>(w, panel.data(), p, n0);
+}
+
 template <bool Q4>
 void RunRows(const Work& w, int64_t n0, int64_t n1) {
+  if (w.M > kDirectRows) return RunPanel<Q4>(w, n0, n1);
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) Rows<Q4, 4>(w, n);
   for (; n < n1; ++n) Rows<Q4, 1>(w, n);
@@ -144,9 +218,10 @@ void Work::Run(int64_t t) {
         if (q4) {
           const uint8_t byte = static_cast<const uint8_t*>(q)[n * (K / 2) + (k / 32) * 16 + (k % 16)];
           const int nib = (k % 32) < 16 ? (byte & 15) : (byte >> 4);
-          v = scale[n * nb + b] * static_cast<float>(nib) + mn[n * nb + b];
+          v = HalfToFloat(scale[n * nb + b]) * static_cast<float>(nib) + HalfToFloat(mn[n * nb + b]);
         } else {
-          v = scale[n * nb + b] * static_cast<float>(static_cast<const int8_t*>(q)[n * K + k]);
+          v = HalfToFloat(scale[n * nb + b]) *
+              static_cast<float>(static_cast<const int8_t*>(q)[n * K + k]);
         }
         acc += x[r * K + k] * v;
       }
@@ -157,7 +232,7 @@ void Work::Run(int64_t t) {
 #endif
 
 ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const void* q,
-               int64_t q_cols, ffi::Buffer<ffi::F32>& scale, const float* mn,
+               int64_t q_cols, ffi::Buffer<ffi::F16>& scale, const uint16_t* mn,
                ffi::ResultBuffer<ffi::F32>& y, int64_t block) {
   auto xd = x.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || sd.size() != 2) {
@@ -173,7 +248,8 @@ ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const v
   }
   auto w = std::make_shared<Work>();
   w->M = M, w->N = N, w->K = K, w->block = block, w->nb = nb, w->q4 = q4;
-  w->x = x.typed_data(), w->q = q, w->scale = scale.typed_data(), w->mn = mn;
+  w->x = x.typed_data(), w->q = q, w->mn = mn;
+  w->scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
   w->y = y->typed_data();
   w->n_tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), w->n_tasks - 1);
@@ -184,7 +260,7 @@ ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const v
 }
 
 ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                  ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y, int64_t block) {
+                  ffi::Buffer<ffi::F16> scale, ffi::ResultBuffer<ffi::F32> y, int64_t block) {
   if (q.dimensions().size() != 2 || q.dimensions()[0] != scale.dimensions()[0]) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qmatmul_q8: q must be [N, K]");
   }
@@ -192,7 +268,7 @@ ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 }
 
 ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
-                  ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mn,
+                  ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> mn,
                   ffi::ResultBuffer<ffi::F32> y, int64_t block) {
   if (q.dimensions().size() != 2 || q.dimensions()[0] != scale.dimensions()[0] ||
       mn.dimensions().size() != 2 || mn.dimensions()[0] != scale.dimensions()[0] ||
@@ -200,7 +276,8 @@ ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "qmatmul_q4: q must be [N, K/2], scale and min [N, K/32]");
   }
-  return Run(pool, true, x, q.typed_data(), q.dimensions()[1], scale, mn.typed_data(), y, block);
+  return Run(pool, true, x, q.typed_data(), q.dimensions()[1], scale,
+             reinterpret_cast<const uint16_t*>(mn.typed_data()), y, block);
 }
 
 }  // namespace
@@ -210,7 +287,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmulQ8, Q8Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // q [N, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [N, K/block]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scale [N, K/block]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("block"));
 
@@ -219,7 +296,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmulQ4, Q4Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // q [N, K/2]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [N, K/32]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // min [N, K/32]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scale [N, K/32]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // min [N, K/32]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("block"));
