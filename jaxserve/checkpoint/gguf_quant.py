@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from jaxserve.checkpoint.gguf_loader import (GGUF_ARCHS, GGUF_LAYER_NAMES, GGUF_TOP_NAMES,
-                                             dequantize_tensor)
+                                             dequantize_tensor, open_gguf)
 from jaxserve.checkpoint.layout import (MATRIX_LEAVES, CheckpointError, TensorSource,
                                         check_tree, unpermute_qk)
 from jaxserve.config import ModelConfig
@@ -57,6 +57,12 @@ def blocks_of(t: Any, path: Path) -> QuantizedWeight | None:
         mn = np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0]
         q = raw[..., 4:]
     return QuantizedWeight(np.ascontiguousarray(q).reshape(n, k // 2), d, mn, "q4", 32)
+
+
+def has_blocks(path: Path) -> bool:
+    """Whether a GGUF file holds any quantized (non-F32/F16/BF16) tensor (reads the
+    header's tensor infos, memory-mapped; no tensor data)."""
+    return any(Q(int(t.tensor_type)) not in _FLOAT_TYPES for t in open_gguf(path).tensors)
 
 
 def _unpermute(w: QuantizedWeight, n_head: int) -> QuantizedWeight:

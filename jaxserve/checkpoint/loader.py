@@ -9,7 +9,7 @@ from pathlib import Path
 from jaxserve.checkpoint import cache
 from jaxserve.checkpoint.default import DEFAULT_PARAMS_CACHE_DIR, resolve_model_path
 from jaxserve.checkpoint.gguf_loader import load_gguf_params, read_gguf_header
-from jaxserve.checkpoint.gguf_quant import load_gguf_blocks
+from jaxserve.checkpoint.gguf_quant import has_blocks, load_gguf_blocks
 from jaxserve.checkpoint.hf import load_hf_config, load_hf_params
 from jaxserve.checkpoint.layout import CheckpointError
 from jaxserve.checkpoint.tokenizer import Tokenizer
@@ -91,8 +91,8 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
       quantization: None (default) or "none": the full-precision tree above. Another
         scheme ("auto" | "int8" | "q8_0" | "q4", `EngineConfig.quantization`): a GGUF
         file's quantized matrices come as `jaxserve.model.quant.QuantizedWeight` blocks read
-        straight from the file (`gguf_quant.load_gguf_blocks`, not cached), its float ones
-        and an HF checkpoint's stay float: the engine quantizes those where it places the
+        straight from the file (`gguf_quant.load_gguf_blocks`, not cached); a GGUF with
+        no quantized tensor, and an HF checkpoint, load as with None (cached), float: the engine quantizes those where it places the
         weights (`prepare_params`), so no full-precision copy of a quantized file is made.
     Raises:
       FileNotFoundError: missing path (the default model's message says `make model`).
@@ -105,7 +105,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {_DTYPES}")
     p = resolve_model_path(path)
-    if quantization not in (None, "none") and _kind(p) == "gguf":
+    if quantization not in (None, "none") and _kind(p) == "gguf" and has_blocks(p):
         return _load_blocks(p, dtype, quantization)
     if quantization is not None:
         resolve_scheme(quantization, kept_kinds=set(), source=str(p))

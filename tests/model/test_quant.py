@@ -197,3 +197,39 @@ def test_abstract_quantized_matches_the_real_format(scheme, key, shape):
     assert jax.tree.structure(fake) == jax.tree.structure(real)
     assert spec(fake) == spec(real)
     assert all(a.strides == (0,) * a.ndim for a in jax.tree.leaves(fake))
+
+
+def test_a_float_gguf_loads_as_floats_under_auto():
+    """A GGUF with no quantized tensor takes the ordinary (cached) load under every
+    scheme; the engine then decides what its matrices become."""
+    from pathlib import Path
+
+    from jaxserve.checkpoint import load_model
+    from jaxserve.checkpoint.gguf_quant import has_blocks
+
+    path = Path(__file__).parents[1] / "fixtures" / "tiny_gguf" / "tiny-f32.gguf"
+    assert not has_blocks(path)
+    _, tree, _ = load_model(path, quantization="auto", cache_dir=None, progress=False)
+    assert not quant.tree_kinds(tree) and tree["layers"]["wq"].dtype == np.float32
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_q8_0_gguf_blocks_match_transformers_logits(unroll):
+    """The tiny Q8_0 GGUF fixture with its blocks kept (stacked under the scan, or one
+    leaf per layer) gives transformers' logits of the same file (tests/fixtures/tiny_gguf)."""
+    from pathlib import Path
+
+    from jaxserve.checkpoint import load_model
+    from jaxserve.model.llama import prepare_params, reference_logits
+
+    tiny = Path(__file__).parents[1] / "fixtures" / "tiny_gguf"
+    cfg, tree, _ = load_model(tiny / "tiny-q8_0.gguf", quantization="auto", cache_dir=None,
+                              progress=False)
+    assert quant.tree_kinds(tree) == {"q8"}
+    params = prepare_params(cfg, tree, unroll_layers=unroll)
+    wq = params["layers"][0]["wq"] if unroll else params["layers"]["wq"]
+    assert isinstance(wq, QuantizedWeight)
+    gold = np.load(tiny / "logits_q8_0.npz")
+    for j in range(3):
+        got = reference_logits(cfg, params, gold[f"ids_{j}"])
+        assert np.abs(got - gold[f"logits_{j}"]).max() < 1e-4, j

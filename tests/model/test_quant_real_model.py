@@ -20,7 +20,10 @@ def test_q4_1_blocks_engine_reproduces_hf_greedy():
     from jaxserve.engine import LLMEngine, make_engine_config
     from jaxserve.model.quant import QuantizedWeight, dequantize
 
+    from jaxserve.checkpoint.gguf_quant import has_blocks
+
     path = resolve_model_path(None)
+    assert has_blocks(path)
     cfg, params, tok = load_model(path, dtype="float32", quantization="auto")
     wq = params["layers"]["wq"]
     assert isinstance(wq, QuantizedWeight) and wq.kind == "q4"
