@@ -383,6 +383,12 @@ class EngineConfig:
     # "none" full precision, "int8" (per-channel), "q8_0" (blocks of 32) and "q4" (Q4_1-style
     # blocks of 32) quantize float matrices at load (`jaxserve.model.quant`).
     quantization: Literal["auto", "none", "int8", "q8_0", "q4"] = "auto"
+    # vLLM's async_scheduling (issue 24): plan and dispatch step n+1 as soon as step n's
+    # tokens are back, then process step n's outputs (detokenizer, stop strings,
+    # RequestOutputs) while the device runs n+1. Outputs are the same as with it off; a
+    # request that a stop string ends wastes one row of the step already dispatched.
+    # Steps while a structured-output request is live run without overlap.
+    async_scheduling: bool = True
 
     def __post_init__(self):
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,

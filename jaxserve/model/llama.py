@@ -39,7 +39,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.attention.common import AttentionBackend, MdT
 from jaxserve.model.linear import embed_rows, head_matrix_product, linear
 from jaxserve.model.params import param_shapes  # noqa: F401 - re-exported
-from jaxserve.model.quant import QuantizedWeight, quantize_leaf
+from jaxserve.model.quant import QuantizedWeight, engine_scheme, quantize_leaf
 
 # One layer's weights, and a parameter tree: the canonical one (layers stacked on [L]) or
 # the engine layout (`prepare_params`: cast, and with unroll_layers a list of L layer dicts).
@@ -162,7 +162,8 @@ def fuse_projections(cfg: ModelConfig, lp: Mapping[str, object]) -> dict[str, ob
 def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, object]", *,
                    unroll_layers: bool, fuse: bool = False,
                    place: Callable[[dict], Params] | None = None,
-                   quantization: str = "keep", like: Params | None = None) -> Params:
+                   quantization: str = "auto", tensor_parallel_size: int = 1,
+                   like: Params | None = None) -> Params:
     """The one transform from the canonical tree to the engine layout, on the device.
 
     Validates (`validate_params`), casts every leaf to cfg.dtype, with `fuse`
@@ -188,10 +189,11 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
       place: puts the host-layout tree on the devices (default one `jax.device_put`);
         tensor parallelism passes `jaxserve.distributed.tensor_parallel.TensorParallel.place_params`,
         which places each leaf shard by shard with its sharding.
-      quantization: what float matrices become ("keep" | "none" | "int8" | "q8_0" | "q4",
-        `jaxserve.model.quant.engine_scheme` resolves the user's flag to it; see
-        `quant.quantize_leaf`); `QuantizedWeight` leaves (a GGUF file's own blocks) are
-        kept as they are, except under "none", which dequantizes them. Quantized leaves stay [N, K]
+      quantization: `EngineConfig.quantization` ("auto" | "none" | "int8" | "q8_0" | "q4",
+        resolved against the tree by `jaxserve.model.quant.engine_scheme`): what float
+        matrices become (`quant.quantize_leaf`); `QuantizedWeight` leaves (a GGUF file's
+        own blocks) are kept as they are, except under "none", which dequantizes them.
+      tensor_parallel_size: quantized weights are refused with more than one device. Quantized leaves stay [N, K]
         blocks on the device; the forward dequantizes them on the fly (`model.linear`).
       like: the live engine tree (update_params): a float leaf whose live leaf is
         quantized is quantized to that leaf's format.
@@ -201,13 +203,15 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
 
     Raises:
       ValueError: a missing, extra, mis-shaped or non-floating leaf (naming its path),
-        or fuse with a `place` (the fused layout has no tensor-parallel specs).
+        or fuse with a `place` (the fused layout has no tensor-parallel specs); a bad
+        quantization (`quant.engine_scheme`).
     """
     if fuse and place is not None:
         raise ValueError("prepare_params: fuse=True has no sharded layout; use fuse=False "
                          "with a placement (tensor parallelism)")
     tree = canonical_params(params)
     validate_params(cfg, tree)
+    quantization = engine_scheme(quantization, tree, tensor_parallel_size=tensor_parallel_size)
     dt = jnp.dtype(cfg.dtype)
     like_top = like or {}
     like_l = (like or {}).get("layers")
