@@ -24,6 +24,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "A .gguf file or an HF directory; default: the fetched SmolLM2.")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Parameter and compute dtype "
                   "(default: bfloat16 on a GPU or TPU and for `compile --target`, float32 on CPU).")
+flags.DEFINE_enum("quantization", "auto", ["auto", "none", "int8", "q8_0", "q4"],
+                  "Weight-only quantization (vLLM's flag): auto = the checkpoint's own (a GGUF "
+                  "file's Q8_0/Q4_0/Q4_1 blocks stay quantized), none = full precision, "
+                  "int8 (per-channel) / q8_0 / q4 quantize a float checkpoint at load.")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
 flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks (default: from --kv_cache_memory_mb).")
 flags.DEFINE_integer("kv_cache_memory_mb", 512, "KV pool memory budget in MiB when --num_kv_blocks is unset.")
@@ -129,7 +133,8 @@ flags.DEFINE_integer("max_queued_requests", None, "Most requests waiting to be s
 def engine_args_from_flags() -> dict[str, Any]:
     """The engine keyword arguments named by the shared flags."""
     args: dict[str, Any] = dict(
-        dtype=FLAGS.dtype, block_size=FLAGS.block_size, max_num_seqs=FLAGS.max_num_seqs,
+        dtype=FLAGS.dtype, quantization=FLAGS.quantization, block_size=FLAGS.block_size,
+        max_num_seqs=FLAGS.max_num_seqs,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
         bucket_policy=FLAGS.bucket_policy, bucket_gap=FLAGS.bucket_gap,
@@ -166,7 +171,8 @@ def build_engine(auto_warmup: str = "full"):
     enable_compilation_cache(FLAGS.compile_cache_dir)
     path = resolve_model_path(FLAGS.model)
     cache_dir = FLAGS.params_cache_dir if FLAGS.num_processes == 1 else None  # see start_multihost
-    cfg, params, tokenizer = load_model(path, dtype=FLAGS.dtype, cache_dir=cache_dir or None)
+    cfg, params, tokenizer = load_model(path, dtype=FLAGS.dtype, cache_dir=cache_dir or None,
+                                        quantization=FLAGS.quantization)
     warmup = auto_warmup if FLAGS.warmup == "auto" else FLAGS.warmup
     if FLAGS.num_processes > 1:  # followers must hold every program before the first step
         warmup = "full"
@@ -220,7 +226,7 @@ def start_multihost() -> bool:
     # No params cache with several processes yet: the .npy cache's writes are atomic, but
     # several processes converting into one entry at once has not been tested.
     cfg, params, _ = load_model(resolve_model_path(FLAGS.model), dtype=FLAGS.dtype,
-                                cache_dir=None)
+                                cache_dir=None, quantization=FLAGS.quantization)
     config = make_engine_config(cfg, **engine_args_from_flags())
     runner = ModelRunner(config, params, bucket_policy=BucketPolicy.from_config(config.scheduler))
     runner.warmup(progress=False)

@@ -82,20 +82,26 @@ class LLM:
         process skips tracing them too (`jaxserve.worker.executable_cache`). Warm-up is
         full by default (`warmup="progressive"` is an engine argument).
       engine: an already-built `LLMEngine` (then `model` is ignored).
+      quantization: weight-only quantization, vLLM's argument: "auto" (default: the
+        checkpoint's own; a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks stay blocks), "none"
+        (full precision), "int8" | "q8_0" | "q4" (float matrices quantized at load;
+        see `jaxserve.model.quant`).
       **engine_args: CacheConfig / SchedulerConfig / EngineConfig fields,
         e.g. block_size=16, num_kv_blocks=512, max_num_seqs=32,
         max_num_batched_tokens=256, attention_backend="xla".
 
     Raises:
       FileNotFoundError: the model is missing (the message names `make model`).
-      ValueError: a bad engine argument.
+      ValueError: a bad engine argument or quantization (e.g. "q4" of a file with no
+        4-bit tensors), before any compile.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None,
+                 quantization: str = "auto",
                  compile_cache_dir: str | None = None,
                  executable_cache_dir: str | None = "checkpoints/executable_cache",
                  engine: LLMEngine | None = None, **engine_args: Any):
-        if engine is not None and (model is not None or engine_args):
+        if engine is not None and (model is not None or engine_args or quantization != "auto"):
             raise ValueError(f"LLM(engine=...) takes no model or engine arguments, got "
                              f"model={model!r}, {sorted(engine_args)}")
         if engine is None:
@@ -105,8 +111,8 @@ class LLM:
 
             enable_compilation_cache(compile_cache_dir)
             path = resolve_model_path(model)
-            cfg, params, tokenizer = load_model(path, dtype=dtype)
-            config = make_engine_config(cfg, **engine_args)
+            cfg, params, tokenizer = load_model(path, dtype=dtype, quantization=quantization)
+            config = make_engine_config(cfg, quantization=quantization, **engine_args)
             engine = LLMEngine(config, params, tokenizer, model_name=str(path),
                                executable_cache_dir=executable_cache_dir)
         self.engine = engine

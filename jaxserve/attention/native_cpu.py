@@ -51,8 +51,10 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build() -> Path:
-    """Compile the kernel (or reuse the cached build); the path of the shared library.
+def build_library(src_path: Path, stem: str) -> Path:
+    """Compile one native kernel source into a shared library (or reuse the cached build,
+    keyed on source / compiler / flags / jaxlib / CPU); the library's path. Also used by
+    `jaxserve.model.native_qmatmul`.
 
     Raises:
       RuntimeError: no C++ compiler ($CXX, c++, g++, clang++) or the compile failed.
@@ -61,24 +63,29 @@ def _build() -> Path:
                 if c and shutil.which(c)), None)
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
-    src = _SRC.read_bytes()
+    src = src_path.read_bytes()
     key = hashlib.sha256(b"\0".join([src, cxx.encode(), " ".join(_FLAGS).encode(),
                                      jax.__version__.encode(), _cpu_flags().encode()]))
     cache = Path(os.environ.get("JAXSERVE_NATIVE_CACHE",
                                 Path.home() / ".cache" / "jaxserve" / "native"))
-    lib = cache / f"paged_decode_{key.hexdigest()[:16]}.so"
+    lib = cache / f"{stem}_{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
-    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SRC), "-o", tmp]
+    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(src_path), "-o", tmp]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
     os.replace(tmp, lib)  # atomic: concurrent builders each write their own temp file
     return lib
+
+
+def _build() -> Path:
+    """The decode-attention kernel's library (`build_library`)."""
+    return build_library(_SRC, "paged_decode")
 
 
 def available() -> bool:

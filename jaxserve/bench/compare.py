@@ -12,17 +12,22 @@ What it does (issue 11, item 1; the method of `../shared/bench/BASELINES.md`):
 2. Requantizes the GGUF to F32 once (`llama-quantize --allow-requantize`), so
    both engines run the same fp32 weights; jaxserve dequantizes the same file.
 3. For every case (N sequences, a trace, burst or arrival times) starts each
-   server in turn on 127.0.0.1 with equal KV capacity in tokens: llama.cpp
-   with `--parallel N -kvu -c T -t 2 -ctk f32 -ctv f32` (one pool shared by
-   all slots, like jaxserve's paged pool) and jaxserve with `--max_num_seqs N
-   --num_kv_blocks T/block+1`. T is jaxserve's default pool rounded up to
+   configuration's server in turn (`compare_configs.CONFIGS`: llama.cpp on F32 with
+   its default f16 KV, with f32 KV, and on the original file; jaxserve fp32 and with
+   the file's quantization kept) on 127.0.0.1 with equal KV capacity in tokens:
+   llama.cpp with `--parallel N -kvu -c T -t 2` (one pool shared by all slots, like
+   jaxserve's paged pool) and jaxserve with `--max_num_seqs N --num_kv_blocks T/block+1`. T is jaxserve's default pool rounded up to
    llama.cpp's 256-token context granularity, so both hold exactly T tokens.
    Each case gets fresh servers: no prefix cache carries over between traces
-   and the peak RSS (VmHWM) belongs to that one load.
+   and the peak RSS (VmHWM) belongs to that one load. With --reuse_server each case
+   still starts cold (jaxserve's and vLLM's POST /reset_prefix_cache, llama.cpp's
+   slot erase) unless --warm_cases.
+   Background load collapses llama.cpp's threads, so a load average above 1 before a
+   case is printed as a WARNING and kept in its record.
 4. Drives both with the same `jaxserve bench serve` client (streaming chat,
    greedy, `ignore_eos`, exact `max_tokens`), records `uptime` before and
    after each run, stops each server by its PID, prints one table with the
-   ratios jaxserve / llama.cpp and writes a JSON with everything.
+   ratios jaxserve / llama.cpp per `compare_configs.PAIRS` and writes a JSON.
 
 Servers never outlive this process: they are stopped by PID in a `finally`,
 SIGTERM/SIGHUP are turned into a normal exit so that `finally` runs, and each
@@ -47,6 +52,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
+from jaxserve.bench.compare_configs import CONFIGS, PAIRS, configs_for, server_command
 from jaxserve.bench.servers import (LLAMA_CPP_PYTHON_VERSION, ensure_f32_gguf, ensure_llama_build,
                                     exit_on_signal, free_port, live_servers, parse_proc_status,
                                     start_server, stop_server, uptime)
@@ -61,7 +67,8 @@ DEFAULT_CACHE = Path(os.environ.get("JAXSERVE_LLAMA_CPP_CACHE",
 LLAMA_CTX_PAD = 256
 JAXSERVE_KV_MIB = 512  # `jaxserve serve --kv_cache_memory_mb` default
 JAXSERVE_BLOCK = 16    # `jaxserve serve --block_size` default
-ENGINES = ("llama.cpp", "jaxserve")
+ENGINES = tuple(CONFIGS)  # every configuration (`compare_configs`)
+LOAD_WARN = 1.0  # load average above which a case's numbers are not trusted
 MODES = ("burst", "arrivals")
 PROFILES = {  # N:trace:mode cases
     "full": tuple(f"{n}:{t}" for n in (8, 16)
@@ -188,20 +195,6 @@ def parse_kv_log(text: str, engine: str) -> dict[str, float] | None:
     return {"tokens": int(m.group(2)), "mib": float(m.group(1))} if m else None
 
 
-def server_command(engine: str, args: argparse.Namespace, case: Case, plan: KVPlan,
-                   port: int) -> list[str]:
-    """The command line of one server for one case."""
-    if engine == "llama.cpp":
-        return [str(args.llama_server), "-m", str(args.f32_model), "--host", "127.0.0.1",
-                "--port", str(port), "--parallel", str(case.num_seqs), "-kvu",
-                "-c", str(plan.llama_ctx), "-t", "2", "-tb", "2", "-ctk", "f32", "-ctv", "f32",
-                "--no-webui"]
-    return [*shlex.split(args.jaxserve_cmd), f"--model={args.model}", "--host=127.0.0.1",
-            f"--port={port}", f"--max_num_seqs={case.num_seqs}",
-            f"--num_kv_blocks={plan.jaxserve_num_kv_blocks}", f"--block_size={args.block_size}",
-            *args.jaxserve_extra]
-
-
 def run_client(port: int, trace: Path, case: Case, out_json: Path,
                num_prompts: int | None, timeout_s: float) -> dict[str, Any]:
     """`jaxserve bench serve` against 127.0.0.1:port; returns its summary dict."""
@@ -234,17 +227,48 @@ class Running:
 def launch(engine: str, case: Case, args: argparse.Namespace, plan: KVPlan) -> Running:
     """Start `engine`'s server for `case` (its N) and wait until it is healthy."""
     port = free_port()
-    log_path = args.out_dir / f"{engine}-{case.key.replace(':', '-')}.log"
-    cmd = server_command(engine, args, case, plan, port)
+    log_path = args.out_dir / f"{_tag(engine)}-{case.key.replace(':', '-')}.log"
+    cmd = server_command(engine, args, case.num_seqs, plan, port)
     t0 = time.monotonic()
     proc = start_server(cmd, port, log_path, args.start_timeout_s,
-                        cwd=args.jaxserve_cwd if engine == "jaxserve" else None)
+                        cwd=args.jaxserve_cwd if CONFIGS[engine].engine == "jaxserve" else None)
     return Running(engine, proc, port, log_path, cmd, time.monotonic() - t0)
+
+
+def _tag(name: str) -> str:
+    return name.replace(" ", "_").replace(".", "")
+
+
+def make_cold(srv: Running, num_seqs: int) -> None:
+    """Empty a reused server's prefix cache before its next case: jaxserve's POST
+    /reset_prefix_cache, llama.cpp's POST /slots/{id}?action=erase for every slot."""
+    import httpx
+
+    base = f"http://127.0.0.1:{srv.port}"
+    paths = (["/reset_prefix_cache"] if CONFIGS[srv.engine].engine == "jaxserve" else
+             [f"/slots/{i}?action=erase" for i in range(num_seqs)])
+    for path in paths:
+        r = httpx.post(base + path, timeout=30)
+        if r.status_code != 200:
+            raise RuntimeError(f"{srv.engine}: POST {path} -> {r.status_code} {r.text[:200]}")
+
+
+def load_warning(load1: float, what: str) -> str | None:
+    """The WARNING line for a 1-minute load average above LOAD_WARN (None if quiet)."""
+    if load1 <= LOAD_WARN:
+        return None
+    return (f"WARNING: load average {load1:.2f} > {LOAD_WARN:g} before {what}: other processes "
+            "share the CPU and llama.cpp's threads collapse under them; not a clean number")
 
 
 def drive(srv: Running, case: Case, args: argparse.Namespace) -> dict[str, Any]:
     """Drive one trace through a running server; return the record (RSS read right after)."""
-    tag = f"{srv.engine}-{case.key.replace(':', '-')}"
+    tag = f"{_tag(srv.engine)}-{case.key.replace(':', '-')}"
+    if srv.runs and not args.warm_cases:
+        make_cold(srv, case.num_seqs)
+    warn = load_warning(os.getloadavg()[0], f"{srv.engine} {case.key}")
+    if warn:
+        print("  " + warn, flush=True)
     load_before = uptime()
     s = run_client(srv.port, resolve_trace(case.trace, args.traces_dir), case,
                    args.out_dir / f"{tag}.json", args.num_prompts, args.request_timeout_s)
@@ -252,11 +276,12 @@ def drive(srv: Running, case: Case, args: argparse.Namespace) -> dict[str, Any]:
     rss = parse_proc_status(Path(f"/proc/{srv.proc.pid}/status").read_text())
     srv.runs += 1
     kv = parse_kv_log(srv.log_path.read_text(errors="replace"), srv.engine)
-    if kv is None and srv.engine == "llama.cpp":
+    if kv is None and CONFIGS[srv.engine].engine == "llama.cpp":
         # llama-server at its default verbosity does not print llama_kv_cache's size line;
         # with -kvu it allocates exactly n_ctx = -c cells (the log's "n_ctx_slot" is per slot).
         kv = {"tokens": args.kv_plan.llama_ctx, "source": "computed from -c",
-              "mib": args.kv_plan.llama_ctx * args.kv_bytes_per_token / 2**20}
+              "mib": args.kv_plan.llama_ctx * args.kv_bytes_per_token
+              * CONFIGS[srv.engine].kv_bytes / 4 / 2**20}
     kv = kv or {}
     rec = {"case": case.key, "engine": srv.engine, "tok_s": s["output_throughput"],
            "ttft_mean_s": s["ttft_ms"]["mean"] / 1e3, "peak_rss_mib": rss.get("VmHWM"),
@@ -264,9 +289,9 @@ def drive(srv: Running, case: Case, args: argparse.Namespace) -> dict[str, Any]:
            "kv_source": kv.get("source", "server log"), "completed": s["completed"], "failed": s["failed"], "output_tokens": s["total_output_tokens"],
            "expected_tokens": s["expected_output_tokens"], "duration_s": s["duration_s"],
            "start_s": srv.start_s, "runs_on_server": srv.runs, "uptime_before": load_before,
-           "uptime_after": load_after, "errors": s["errors"], "command": shlex.join(srv.cmd),
+           "uptime_after": load_after, "load_warning": warn, "errors": s["errors"], "command": shlex.join(srv.cmd),
            "log": str(srv.log_path)}
-    print(f"  {srv.engine:<9} {case.key:<22} {rec['tok_s']:7.1f} tok/s  TTFT {rec['ttft_mean_s']:6.2f} s"
+    print(f"  {srv.engine:<15} {case.key:<22} {rec['tok_s']:7.1f} tok/s  TTFT {rec['ttft_mean_s']:6.2f} s"
           f"  peak RSS {rec['peak_rss_mib'] or float('nan'):6.0f} MiB  KV {rec['kv_tokens']} tok"
           f"  {rec['completed']}/{rec['completed'] + rec['failed']} ok  [{load_after}]", flush=True)
     return rec
@@ -294,25 +319,30 @@ MEASURES = (("throughput", "tok_s", "tok/s", "≥1"), ("mean TTFT", "ttft_mean_s
 
 
 def ratio_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (case, measure) with both engines' values and jaxserve / llama.cpp.
+    """One row per (case, pair, measure) with both configurations' values and jaxserve's /
+    llama.cpp's, for each `compare_configs.PAIRS` pair with at least one of them measured.
 
-    Cases keep the order they first appear in; a case missing an engine (a
+    Cases keep the order they first appear in; a pair missing a configuration (a
     one-engine run) gets None for the missing value and the ratio.
     """
     by_case: dict[str, dict[str, dict[str, Any]]] = {}
     for r in records:
         by_case.setdefault(r["case"], {})[r["engine"]] = r
     rows = []
-    for case, engines in by_case.items():
-        for name, field, unit, goal in MEASURES:
-            ll = (engines.get("llama.cpp") or {}).get(field)
-            js = (engines.get("jaxserve") or {}).get(field)
-            ratio = js / ll if ll and js is not None else None
-            met = None
-            if ratio is not None:
-                met = {"≥1": ratio >= 1, "≤1": ratio <= 1, "=1": abs(ratio - 1) < 1e-9}[goal]
-            rows.append({"case": case, "measure": name, "unit": unit, "llama.cpp": ll,
-                         "jaxserve": js, "ratio": ratio, "goal": goal, "met": met})
+    for case, cfgs in by_case.items():
+        for js_cfg, ll_cfg in PAIRS:
+            if js_cfg not in cfgs and ll_cfg not in cfgs:
+                continue
+            for name, field, unit, goal in MEASURES:
+                ll = (cfgs.get(ll_cfg) or {}).get(field)
+                js = (cfgs.get(js_cfg) or {}).get(field)
+                ratio = js / ll if ll and js is not None else None
+                met = None
+                if ratio is not None:
+                    met = {"≥1": ratio >= 1, "≤1": ratio <= 1, "=1": abs(ratio - 1) < 1e-9}[goal]
+                rows.append({"case": case, "pair": f"{js_cfg} vs {ll_cfg}", "measure": name,
+                             "unit": unit, "llama.cpp": ll, "jaxserve": js, "ratio": ratio,
+                             "goal": goal, "met": met})
     return rows
 
 
@@ -325,13 +355,14 @@ def _fmt(x: Any) -> str:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown: | case | measure | llama.cpp | jaxserve | jaxserve/llama.cpp | goal met |."""
-    out = ["| case (N:trace:mode) | measure | llama.cpp | jaxserve | jaxserve / llama.cpp | goal |",
-           "|---|---|---|---|---|---|"]
+    """Markdown: | case | configurations | measure | llama.cpp | jaxserve | ratio | goal met |."""
+    out = ["| case (N:trace:mode) | jaxserve vs llama.cpp | measure | llama.cpp | jaxserve | "
+           "jaxserve / llama.cpp | goal |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         met = "–" if r["met"] is None else ("yes" if r["met"] else "no")
-        out.append(f"| {r['case']} | {r['measure']} ({r['unit']}) | {_fmt(r['llama.cpp'])} | "
-                   f"{_fmt(r['jaxserve'])} | {_fmt(r['ratio'])} | {r['goal']} {met} |")
+        out.append(f"| {r['case']} | {r['pair']} | {r['measure']} ({r['unit']}) | "
+                   f"{_fmt(r['llama.cpp'])} | {_fmt(r['jaxserve'])} | {_fmt(r['ratio'])} | "
+                   f"{r['goal']} {met} |")
     return "\n".join(out)
 
 
@@ -342,10 +373,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full: N=8,16 x 3 runs; issue: 3 runs at 16 + seed8 at 8; short: smoke test")
     p.add_argument("--case", action="append", default=None, metavar="N:TRACE:MODE",
                    help="a case instead of the profile's (repeatable), e.g. 16:ragged64:arrivals")
-    p.add_argument("--engines", choices=("both", "llama.cpp", "jaxserve"), default="both")
+    p.add_argument("--engines", choices=("both", "llama.cpp", "jaxserve"), default="both",
+                   help="every configuration of these engines (compare_configs.CONFIGS)")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated configurations instead (of: {', '.join(CONFIGS)})")
     p.add_argument("--reuse_server", action="store_true",
                    help="one server per (N, engine) for all its cases, saving start-ups; later "
-                        "cases then see a warm prefix cache and peak RSS covers all runs so far")
+                        "cases still start cold (prefix cache emptied) unless --warm_cases; peak "
+                        "RSS covers all runs so far")
+    p.add_argument("--warm_cases", action="store_true",
+                   help="with --reuse_server: keep the prefix cache between a server's cases")
     p.add_argument("--num_prompts", type=int, default=None,
                    help="first K requests of each trace (default: all; 16 under --profile=short)")
     p.add_argument("--traces_dir", type=Path, default=DEFAULT_TRACES_DIR)
@@ -391,7 +428,8 @@ def resolve_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[C
     if a.jaxserve_cmd is None:
         exe = Path(sys.executable).parent / "jaxserve"
         a.jaxserve_cmd = f"{exe} serve" if exe.is_file() else f"{sys.executable} -m jaxserve.cli serve"
-    a.engines = ENGINES if a.engines == "both" else (a.engines,)
+    a.engines = configs_for(tuple(c.strip() for c in a.configs.split(",")) if a.configs
+                            else a.engines)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     a.out_dir = a.out_dir or a.cache_dir.parent / "compare" / stamp
     a.output_json = a.output_json or a.out_dir / "compare.json"
@@ -399,14 +437,16 @@ def resolve_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[C
 
 
 def prepare_llama(a: argparse.Namespace) -> None:
-    """Fill a.llama_server and a.f32_model: build and requantize unless given."""
+    """Fill a.llama_server and a.f32_model: build and requantize unless given (or unused)."""
     if a.llama_server is None:
         bins = ensure_llama_build(a.cache_dir, a.llama_cpp_python_version, a.build_jobs)
         a.llama_server, a.llama_quantize = bins["llama-server"], bins["llama-quantize"]
-    for path in (a.llama_server, a.f32_model or a.llama_quantize):
+    f32 = any(CONFIGS[c].weights == "f32" for c in a.engines if CONFIGS[c].engine == "llama.cpp")
+    for path in (a.llama_server, (a.f32_model or a.llama_quantize) if f32 else a.model):
         if not Path(path).is_file():
             raise FileNotFoundError(f"{path} does not exist")
-    a.f32_model = a.f32_model or ensure_f32_gguf(a.llama_quantize, a.model, a.cache_dir)
+    if f32:
+        a.f32_model = a.f32_model or ensure_f32_gguf(a.llama_quantize, a.model, a.cache_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -415,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a, cases = resolve_args(argv)
         for c in cases:  # fail before any build or server start
             resolve_trace(c.trace, a.traces_dir)
-        if "llama.cpp" in a.engines:
+        if any(CONFIGS[c].engine == "llama.cpp" for c in a.engines):
             prepare_llama(a)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -21,7 +21,7 @@ schedule, runner host work (batch layout, the fake's bookkeeping; with `--real`
 also attention and sampling metadata), update_from_output, output processing
 (incremental detokenizer, stop checks, `RequestOutput` assembly) and the rest of
 `step()`. With `--real` the device half is `ModelRunner.launch_host_batch` (host to
-device copy, the programs' launch) and `fetch_step` (waiting for them, the copy back),
+device copy, the programs' launch) and `tp.fetch` (waiting for them, the copy back),
 timed as they run. `--no_async` turns the engine's `async_scheduling` off (the serial
 loop: plan, run, fetch, process outputs, then plan the next).
 """
@@ -139,7 +139,7 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
             return launch(host, *a, **kw)
         runner.launch_host_batch = counted
         clock.wrap(runner, "launch_host_batch", "launch")
-        clock.wrap(runner, "fetch_step", "device")
+        clock.wrap(runner.tp, "fetch", "device")
     clock.wrap(runner, "dispatch", "runner_host")
     clock.wrap(runner, "execute", "runner_host")  # plans with no rows
 

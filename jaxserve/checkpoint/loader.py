@@ -9,11 +9,13 @@ from pathlib import Path
 from jaxserve.checkpoint import cache
 from jaxserve.checkpoint.default import DEFAULT_PARAMS_CACHE_DIR, resolve_model_path
 from jaxserve.checkpoint.gguf_loader import load_gguf_params, read_gguf_header
+from jaxserve.checkpoint.gguf_quant import has_blocks, load_gguf_blocks
 from jaxserve.checkpoint.hf import load_hf_config, load_hf_params
 from jaxserve.checkpoint.layout import CheckpointError
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig, platform_dtype
 from jaxserve.model.llama import cast_params
+from jaxserve.model.quant import resolve_scheme, tree_kinds
 
 log = logging.getLogger(__name__)
 _DTYPES = ("float32", "bfloat16")
@@ -69,7 +71,8 @@ def _convert(p: Path, dtype: str, progress: bool) -> tuple[ModelConfig, dict, To
 
 def load_model(path: str | Path | None = None, *, dtype: str | None = None,
                cache_dir: str | Path | None = DEFAULT_PARAMS_CACHE_DIR,
-               progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:
+               progress: bool = True, quantization: str | None = None
+               ) -> tuple[ModelConfig, dict, Tokenizer]:
     """Load (config, params, tokenizer) from a .gguf file or an HF checkpoint directory.
 
     Params are the jaxserve tree of host NumPy arrays (see `jaxserve.checkpoint.layout`),
@@ -85,16 +88,27 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
         the platform's (`jaxserve.config.platform_dtype`: bf16 on GPU/TPU, f32 on CPU).
       cache_dir: params cache root (default checkpoints/params_cache) or None.
       progress: show a tqdm bar per tensor during conversion.
+      quantization: None (default) or "none": the full-precision tree above. Another
+        scheme ("auto" | "int8" | "q8_0" | "q4", `EngineConfig.quantization`): a GGUF
+        file's quantized matrices come as `jaxserve.model.quant.QuantizedWeight` blocks read
+        straight from the file (`gguf_quant.load_gguf_blocks`, not cached); a GGUF with
+        no quantized tensor, and an HF checkpoint, load as with None (cached), float: the engine quantizes those where it places the
+        weights (`prepare_params`), so no full-precision copy of a quantized file is made.
     Raises:
       FileNotFoundError: missing path (the default model's message says `make model`).
       CheckpointError (a ValueError): corrupt/truncated file, unsupported architecture or
         quantization type, missing/extra/misshaped tensors; the message names the file.
-      ValueError: dtype not in ("float32", "bfloat16").
+      ValueError: dtype not in ("float32", "bfloat16"); an unknown quantization, or "q4"
+        of a quantized file with no 4-bit tensors (never requantized to fewer bits).
     """
     dtype = dtype or platform_dtype()
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {_DTYPES}")
     p = resolve_model_path(path)
+    if quantization not in (None, "none") and _kind(p) == "gguf" and has_blocks(p):
+        return _load_blocks(p, dtype, quantization)
+    if quantization is not None:
+        resolve_scheme(quantization, kept_kinds=set(), source=str(p))
     _kind(p)
     t0 = time.perf_counter()
     entry = None if cache_dir is None else cache.entry_dir(Path(cache_dir), p, dtype)
@@ -106,4 +120,14 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
     if entry is not None:
         cache.save(entry, cfg, params, tok)
     log.info("converted %s in %.2f s", p, time.perf_counter() - t0)
+    return cfg, params, tok
+
+
+def _load_blocks(p: Path, dtype: str, quantization: str) -> tuple[ModelConfig, dict, Tokenizer]:
+    """A GGUF file with its quantized matrices kept as blocks (checked against the scheme)."""
+    t0 = time.perf_counter()
+    reader, cfg, tok = read_gguf_header(p, dtype=dtype)
+    params = cast_params(load_gguf_blocks(reader, cfg, p), dtype)
+    resolve_scheme(quantization, kept_kinds=tree_kinds(params), source=str(p))
+    log.info("read %s as blocks in %.2f s", p, time.perf_counter() - t0)
     return cfg, params, tok

@@ -35,6 +35,7 @@ from jaxserve.distributed.tensor_parallel import TensorParallel, expand_kv_heads
 from jaxserve.gpu.report import program_report
 from jaxserve.gpu.targets import GpuTarget
 from jaxserve.model.params import param_shapes
+from jaxserve.model.quant import LINEAR_KEYS, TOP_KEYS, abstract_quantized
 from jaxserve.worker.executable_cache import ExecutableCache
 
 
@@ -56,18 +57,24 @@ def compile_only_devices(target: GpuTarget, count: int) -> list:
     return list(topo.devices)
 
 
-def abstract_params(cfg: Any) -> dict:
+def abstract_params(cfg: Any, quantization: str = "auto") -> dict:
     """The canonical parameter tree of `cfg` as zero-stride NumPy views in cfg.dtype:
     every leaf has its real shape and dtype but owns one element of memory, so an
-    8B-parameter model is traced and compiled without a download or an allocation."""
+    8B-parameter model is traced and compiled without a download or an allocation.
+    With quantization "int8" | "q8_0" | "q4" the matrices are `QuantizedWeight`s of
+    zero-stride blocks (`quant.abstract_quantized`), as the engine would place them."""
     dt = np.dtype(jax.numpy.dtype(cfg.dtype))
     one = np.zeros((), dt)
 
-    def leaf(x):
-        return leaf_map(x) if isinstance(x, dict) else np.broadcast_to(one, tuple(x))
+    def leaf(k, x):
+        if isinstance(x, dict):
+            return leaf_map(x)
+        if quantization in ("int8", "q8_0", "q4") and k in LINEAR_KEYS + TOP_KEYS:
+            return abstract_quantized(tuple(x), quantization, key=k)
+        return np.broadcast_to(one, tuple(x))
 
     def leaf_map(d):
-        return {k: leaf(v) for k, v in d.items()}
+        return {k: leaf(k, v) for k, v in d.items()}
 
     return leaf_map(param_shapes(cfg))
 
@@ -170,7 +177,8 @@ def run(request: dict) -> int:
     try:
         devices = compile_only_devices(target, tp)
         dtp = DevicelessTensorParallel(config.model, tp, devices=devices, target=target)
-        runner = ModelRunner(config, abstract_params(config.model), tensor_parallel=dtp,
+        runner = ModelRunner(config, abstract_params(config.model, config.quantization),
+                             tensor_parallel=dtp,
                              bucket_policy=BucketPolicy.from_config(config.scheduler))
     except (ValueError, RuntimeError) as e:
         emit({"error": f"{type(e).__name__}: {e}"})

@@ -40,8 +40,10 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.attention.common import NO_WINDOW, AttentionBackend, MdT
 from jaxserve.model import gemma3
+from jaxserve.model.linear import embed_rows, head_matrix_product, linear
 from jaxserve.model.ops import apply_rope, rms_norm  # noqa: F401 - re-exported
 from jaxserve.model.params import param_shapes  # noqa: F401 - re-exported
+from jaxserve.model.quant import QuantizedWeight, engine_scheme, quantize_leaf
 
 # One layer's weights, and a parameter tree: the canonical one (layers stacked on [L]) or
 # the engine layout (`prepare_params`: cast, and with unroll_layers a list of L layer dicts).
@@ -65,6 +67,12 @@ def validate_params(cfg: ModelConfig, params: Mapping[str, object]) -> None:
             path, leaf = f"{prefix}/{k}", got[k]
             if isinstance(shape, dict):
                 walk(shape, leaf, path)
+            elif isinstance(leaf, QuantizedWeight):  # stored [.., N, K]; canonical [.., K, N]
+                *lead, n, kk = leaf.shape
+                got_shape = (*lead, n, kk) if k == "embed" else (*lead, kk, n)
+                if got_shape != shape:
+                    raise ValueError(f"quantized parameter {path} has shape {got_shape}, "
+                                     f"expected {shape}")
             elif tuple(getattr(leaf, "shape", ())) != shape:
                 raise ValueError(f"parameter {path} has shape {tuple(getattr(leaf, 'shape', ()))}, "
                                  f"expected {shape}")
@@ -78,7 +86,10 @@ def validate_params(cfg: ModelConfig, params: Mapping[str, object]) -> None:
 def _cast(a: object, dt: np.dtype) -> object:
     """a in dtype dt: NumPy stays on the host (no copy when it already has dt); a jax
     leaf is always copied on its device, so the engine never shares a buffer with its
-    caller (a trainer that donates its params must not delete the engine's weights)."""
+    caller (a trainer that donates its params must not delete the engine's weights).
+    A QuantizedWeight keeps its integer blocks and f32 scales (jax fields copied)."""
+    if isinstance(a, QuantizedWeight):
+        return a.map(lambda f: jnp.array(f, copy=True) if isinstance(f, jax.Array) else f)
     if isinstance(a, jax.Array):
         return jnp.array(a, dtype=dt, copy=True)
     return np.asarray(a).astype(dt, copy=False)
@@ -95,6 +106,30 @@ def cast_params(params: Mapping[str, object], dtype: str) -> dict:
     dt = jnp.dtype(dtype)  # bfloat16 is ml_dtypes' NumPy type
     return {k: cast_params(v, dtype) if isinstance(v, Mapping) else _cast(v, dt)
             for k, v in params.items()}
+
+
+def _quantize(key: str, leaf: object, scheme: str, like: object) -> object:
+    """One canonical leaf under the engine's scheme; with `like` (the live engine's leaf,
+    update_params) a float leaf takes the live leaf's quantized format."""
+    if isinstance(like, QuantizedWeight) and not isinstance(leaf, QuantizedWeight):
+        from jaxserve.model.quant import quantize_like
+
+        return quantize_like(_host(leaf), like, key=key)
+    if isinstance(leaf, QuantizedWeight):
+        if scheme == "none":  # full precision asked of a quantized checkpoint
+            from jaxserve.model.quant import dequantize_leaf
+
+            return dequantize_leaf(leaf, key=key)
+        return leaf
+    if scheme in ("keep", "none"):
+        return leaf
+    q = quantize_leaf(_host(leaf), scheme, key=key)
+    return q if isinstance(q, QuantizedWeight) else leaf
+
+
+def _host(a: object) -> np.ndarray:
+    """A float leaf as f32 NumPy (jax leaves are fetched: quantization runs at load)."""
+    return np.asarray(jax.device_get(a) if isinstance(a, jax.Array) else a, np.float32)
 
 
 def canonical_params(params: "Llama | nnx.State | Mapping[str, object]") -> dict:
@@ -130,7 +165,9 @@ def fuse_projections(cfg: ModelConfig, lp: Mapping[str, object]) -> dict[str, ob
 
 def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, object]", *,
                    unroll_layers: bool, fuse: bool = False,
-                   place: Callable[[dict], Params] | None = None) -> Params:
+                   place: Callable[[dict], Params] | None = None,
+                   quantization: str = "auto", tensor_parallel_size: int = 1,
+                   like: Params | None = None) -> Params:
     """The one transform from the canonical tree to the engine layout, on the device.
 
     Validates (`validate_params`), casts every leaf to cfg.dtype, with `fuse`
@@ -156,13 +193,22 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
       place: puts the host-layout tree on the devices (default one `jax.device_put`);
         tensor parallelism passes `jaxserve.distributed.tensor_parallel.TensorParallel.place_params`,
         which places each leaf shard by shard with its sharding.
+      quantization: `EngineConfig.quantization` ("auto" | "none" | "int8" | "q8_0" | "q4",
+        resolved against the tree by `jaxserve.model.quant.engine_scheme`): what float
+        matrices become (`quant.quantize_leaf`); `QuantizedWeight` leaves (a GGUF file's
+        own blocks) are kept as they are, except under "none", which dequantizes them.
+      tensor_parallel_size: quantized weights are refused with more than one device. Quantized leaves stay [N, K]
+        blocks on the device; the forward dequantizes them on the fly (`model.linear`).
+      like: the live engine tree (update_params): a float leaf whose live leaf is
+        quantized is quantized to that leaf's format.
 
     Returns:
       The engine-layout tree of device arrays in cfg.dtype.
 
     Raises:
       ValueError: a missing, extra, mis-shaped or non-floating leaf (naming its path),
-        or fuse with a `place` (the fused layout has no tensor-parallel specs).
+        or fuse with a `place` (the fused layout has no tensor-parallel specs); a bad
+        quantization (`quant.engine_scheme`).
     """
     if fuse and cfg.sandwich_norms:
         raise ValueError("prepare_params: fuse=True is not implemented for the Gemma 3 block")
@@ -171,12 +217,27 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
                          "with a placement (tensor parallelism)")
     tree = canonical_params(params)
     validate_params(cfg, tree)
+    quantization = engine_scheme(quantization, tree, tensor_parallel_size=tensor_parallel_size)
     dt = jnp.dtype(cfg.dtype)
+    like_top = like or {}
+    like_l = (like or {}).get("layers")
+    like_l = like_l[0] if isinstance(like_l, (list, tuple)) else (like_l or {})
+    tree = {k: _quantize(k, v, quantization, like_top.get(k)) for k, v in tree.items()
+            if k != "layers"} | {"layers": {k: _quantize(k, v, quantization, like_l.get(k))
+                                            for k, v in tree["layers"].items()}}
+    quantized = any(isinstance(v, QuantizedWeight)
+                    for v in [*tree.values(), *tree["layers"].values()])
+    if fuse and quantized:
+        raise ValueError("prepare_params: fuse=True has no quantized layout; use fuse=False")
     out = {k: _cast(v, dt) for k, v in tree.items() if k != "layers"}
     layers = tree["layers"]
     layout = functools.partial(fuse_projections, cfg) if fuse else dict
+
+    def layer(w, i):
+        return w.layer(i) if isinstance(w, QuantizedWeight) else w[i]
+
     if unroll_layers:
-        out["layers"] = [layout({k: _cast(w[i], dt) for k, w in layers.items()})
+        out["layers"] = [layout({k: _cast(layer(w, i), dt) for k, w in layers.items()})
                          for i in range(cfg.num_hidden_layers)]
     else:
         out["layers"] = layout({k: _cast(w, dt) for k, w in layers.items()})
@@ -253,12 +314,12 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     if "wqkv" in lp:  # engine layout (`fuse_projections`): one matmul, then split
-        qkv = h @ lp["wqkv"]
+        qkv = linear(h, lp["wqkv"])
         if cfg.attention_bias:
             qkv = qkv + lp["bqkv"]
         q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=-1)
     else:  # the canonical keys: the reference path and the default engine layout
-        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+        q, k, v = linear(h, lp["wq"]), linear(h, lp["wk"]), linear(h, lp["wv"])
         if cfg.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
@@ -268,13 +329,13 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     o, attn_carry = attn_fn(q, k, v, attn_carry, layer, window)  # [T, H, D]
-    x = x + o.reshape(T, H * D) @ lp["wo"]
+    x = x + linear(o.reshape(T, H * D), lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in lp:
-        gate, up = jnp.split(h @ lp["w_gate_up"], 2, axis=-1)
+        gate, up = jnp.split(linear(h, lp["w_gate_up"]), 2, axis=-1)
     else:
-        gate, up = h @ lp["w_gate"], h @ lp["w_up"]
-    x = x + (jax.nn.silu(gate) * up) @ lp["w_down"]  # (Gemma's GELU: `gemma3.activation`)
+        gate, up = linear(h, lp["w_gate"]), linear(h, lp["w_up"])
+    x = x + linear(jax.nn.silu(gate) * up, lp["w_down"])  # (Gemma's GELU: `gemma3.activation`)
     return x, attn_carry
 
 
@@ -311,22 +372,26 @@ def run_layers(cfg: ModelConfig, params: Params, input_ids: jax.Array, positions
 def embed_tokens(cfg: ModelConfig, embed: jax.Array, input_ids: jax.Array) -> jax.Array:
     """embed [V, E] gathered at input_ids i32[T] -> [T, E]; Gemma scales by sqrt(E) in
     the embedding's dtype (as transformers' Gemma3TextScaledWordEmbedding)."""
-    x = embed[input_ids]
+    x = embed_rows(embed, input_ids)
     if cfg.scale_embeddings:
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
     return x
 
 
 def compute_logits(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
-    """hidden [S, E] -> f32[S, V] (tied embeddings reuse embed.T); with
+    """hidden [S, E] -> f32[S, V] (tied embeddings reuse embed.T; quantized heads go
+    through `model.linear`, whose native CPU kernel has no one-row penalty); with
     cfg.final_logit_softcapping c, c * tanh(logits / c) (Gemma 2)."""
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    s = hidden.shape[0]
-    if s == 1:
+    w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    if isinstance(w, QuantizedWeight):
+        logits = head_matrix_product(hidden, w, tied=cfg.tie_word_embeddings).astype(jnp.float32)
+    elif hidden.shape[0] == 1:
         # XLA:CPU lowers a one-row dot to a single-threaded loop: 14 ms for the tied
         # [49152, 576] head vs 6 ms for two rows (notes/perf.md). Pad to two rows.
+        w = w.T if cfg.tie_word_embeddings else w
         logits = (jnp.pad(hidden, ((0, 1), (0, 0))) @ w)[:1].astype(jnp.float32)
     else:
+        w = w.T if cfg.tie_word_embeddings else w
         logits = (hidden @ w).astype(jnp.float32)
     cap = cfg.final_logit_softcapping
     return logits if cap is None else cap * jnp.tanh(logits / cap)

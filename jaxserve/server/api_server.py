@@ -1,8 +1,8 @@
 """`jaxserve serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-POST /tokenize, POST /detokenize (vLLM's), GET /health, GET /metrics, and with an API key
-the /admin/ routes (`jaxserve.server.admin`: weights, pause, sleep). Every error is OpenAI's
+POST /tokenize, POST /detokenize, POST /reset_prefix_cache (vLLM's), GET /health,
+GET /metrics, and with an API key the /admin/ routes (`jaxserve.server.admin`: weights, pause, sleep). Every error is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`: FastAPI's 422 validation
 errors and malformed JSON become 400 naming the field, unknown routes 404,
 a missing/wrong bearer key 401 (only /v1/* is protected), warming up or
@@ -214,6 +214,13 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
         msg = {"starting": "warming up", "failed": f"engine failed: {aengine.error}"}.get(
             aengine.state, aengine.state)
         return _error_response(APIError(503, msg))
+
+    @app.post("/reset_prefix_cache", dependencies=[Depends(check_auth)])
+    async def reset_prefix_cache() -> Response:
+        """vLLM's route: drop every cached prefix block no running request holds (a
+        benchmark case then starts cold); {"blocks_freed": n}."""
+        n = await aengine.call(lambda eng: eng.scheduler.reset_prefix_cache())
+        return JSONResponse({"blocks_freed": int(n)})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -154,6 +154,9 @@ def _static_parts() -> dict:
     from jaxserve.attention import native_cpu  # whether decode used the native kernel
 
     parts["native_cpu_decode"] = native_cpu.status()
+    from jaxserve.model import native_qmatmul  # whether quantized matmuls used the native kernel
+
+    parts["native_cpu_qmatmul"] = native_qmatmul.status()
     return parts
 
 

@@ -41,7 +41,7 @@ from jaxserve.model.llama import (decoder_layer, embed_tokens, paged_attn, rms_n
 
 def embed_fn(cfg: ModelConfig, embed: jax.Array, input_ids: jax.Array) -> jax.Array:
     """Token embedding: embed [V, E] gathered at input_ids i32[T] -> [T, E] (scaled by
-    sqrt(E) for Gemma, `llama.embed_tokens`)."""
+    sqrt(E) for Gemma, `llama.embed_tokens`; float or quantized)."""
     return embed_tokens(cfg, embed, input_ids)
 
 

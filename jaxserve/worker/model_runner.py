@@ -127,9 +127,10 @@ class ModelRunner:
             config.attention_backend, self.model_cfg, block_size=self.block_size,
             interpret=config.attention_interpret, device=self.tp.devices[0]))
         owned = isinstance(params, OwnedHostParams)  # the caller gave the tree away
-        self.params = prepare_params(
+        self.params = prepare_params(  # quantization (issue 26) checked before any compile
             self.cfg, params.tree if owned else params, unroll_layers=config.unroll_layers,
-            place=functools.partial(self.tp.place_params, alias_host=owned))
+            place=functools.partial(self.tp.place_params, alias_host=owned),
+            quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size)
         # Layer-group programs (`jaxserve.worker.layer_stack`) with unrolled layers; the scan keeps
         # the one-program stack over the stacked [L, ...] weights and cache.
         self.group = None
@@ -234,10 +235,10 @@ class ModelRunner:
         """Swap in new weights (a `Llama`, its `nnx.State` or a canonical tree) between steps.
 
         They go through the one `prepare_params`, then must match the live engine
-        layout leaf for leaf (shape, dtype); a leaf placed otherwise (e.g. on a
-        training mesh) is resharded to the engine's sharding with `jax.device_put`,
-        so every AOT program runs them unchanged: nothing is recompiled. On any
-        error the old weights stay.
+        layout leaf for leaf (shape, dtype); a leaf placed otherwise (e.g. on a training
+        mesh) is resharded to the engine's sharding with `jax.device_put`, so every AOT
+        program runs them unchanged (no recompile); float weights into quantized leaves
+        are quantized. On any error the old weights stay.
 
         Raises:
           ValueError: a missing/extra/mis-shaped/non-floating leaf (from
@@ -250,7 +251,7 @@ class ModelRunner:
         if isinstance(params, OwnedHostParams):  # a swap between steps: always a copy
             params = params.tree
         new = prepare_params(self.cfg, params, unroll_layers=self.config.unroll_layers,
-                             place=self.tp.place_params)
+                             place=self.tp.place_params, like=self.params)
         old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.params)
         new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
         if old_def != new_def:
@@ -382,7 +383,7 @@ class ModelRunner:
         on the hidden rows; `scored` is then its (target logprobs [T], top ids [T, k],
         top logprobs [T, k]), else (). Multi-host followers call it with the batch the
         leader broadcast (and never with targets: scoring is one-process only)."""
-        return self.fetch_step(self.launch_host_batch(host, t_pad, s_pad, targets=targets))
+        return self.tp.fetch(self.launch_host_batch(host, t_pad, s_pad, targets=targets))
 
     def launch_host_batch(self, host: StepBatch, t_pad: int, s_pad: int, *,
                           targets: np.ndarray | None = None) -> tuple[Any, ...]:
@@ -396,9 +397,6 @@ class ModelRunner:
         res = head(self.params, rows, dev.sampling)  # rows [S_max, E] never leave the device
         scored = () if score is None else score(self.params, hidden, self.tp.put_batch(targets))
         return (res.token_ids, res.logprobs, res.top_ids, res.top_logprobs, scored)
-
-    def fetch_step(self, launched: tuple[Any, ...]) -> tuple[Any, ...]:
-        return self.tp.fetch(launched)  # waits for a launched step; its outputs as NumPy
 
     # -------------------------------------------------------- programs
     def padding_batch(self, t_pad: int, s_pad: int) -> StepBatch:

@@ -37,7 +37,7 @@ class ModelPending:
         if self.launched is None:
             return self.results
         r, out, results = self.runner, self.out, self.results
-        ids, lps, top_ids, top_lps, scored = r.fetch_step(self.launched)
+        ids, lps, top_ids, top_lps, scored = r.tp.fetch(self.launched)  # waits for the programs
         self.launched = None
         r.stats().record_step(out.token_bucket, out.seq_bucket)
         for i, sr in enumerate(out.scheduled):

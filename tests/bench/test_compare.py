@@ -35,7 +35,8 @@ def test_profiles_and_defaults(tmp_path):
     assert [c.key for c in cases] == [
         "8:seed8:burst", "8:ragged64:burst", "8:ragged64:arrivals",
         "16:seed8:burst", "16:ragged64:burst", "16:ragged64:arrivals"]
-    assert a.engines == ("llama.cpp", "jaxserve") and a.num_prompts is None
+    assert a.engines == ("llama.cpp", "llama.cpp f32kv", "llama.cpp gguf", "jaxserve",
+                         "jaxserve gguf") and a.num_prompts is None
     assert a.output_json == a.out_dir / "compare.json"
     a, cases = cmp.resolve_args(["--profile=issue"])
     assert [c.key for c in cases] == ["16:seed8:burst", "16:ragged64:burst",
@@ -46,7 +47,11 @@ def test_profiles_and_defaults(tmp_path):
     a, cases = cmp.resolve_args(["--profile=short", "--case=4:seed8:burst", "--case=2:seed8:burst",
                                  "--engines=jaxserve"])
     assert [c.key for c in cases] == ["4:seed8:burst", "2:seed8:burst"]
-    assert a.num_prompts is None and a.engines == ("jaxserve",)
+    assert a.num_prompts is None and a.engines == ("jaxserve", "jaxserve gguf")
+    a, _ = cmp.resolve_args(["--configs=jaxserve gguf,llama.cpp gguf"])
+    assert a.engines == ("llama.cpp gguf", "jaxserve gguf")
+    with pytest.raises(ValueError, match=r"unknown configuration\(s\) \['llama'\]"):
+        cmp.resolve_args(["--configs=llama"])
 
 
 def test_llama_binary_flags(tmp_path):
@@ -132,9 +137,18 @@ def test_ratio_rows_hand_computed():
                _rec("16:seed8:burst", "jaxserve", 25.0, 3.0, 3000.0, 11776),
                _rec("8:ragged64:burst", "llama.cpp", 120.0, 6.0, 1200.0, 11776),
                _rec("8:ragged64:burst", "jaxserve", 150.0, 4.5, 1080.0, 11776),
-               _rec("8:seed8:burst", "jaxserve", 30.0, 1.0, 900.0, 11776)]
+               _rec("8:seed8:burst", "jaxserve", 30.0, 1.0, 900.0, 11776),
+               _rec("8:seed8:burst", "jaxserve gguf", 60.0, 0.5, 600.0, 11776),
+               _rec("8:seed8:burst", "llama.cpp gguf", 80.0, 0.4, 500.0, 11776)]
     rows = cmp.ratio_rows(records)
-    got = {(r["case"], r["measure"]): (r["ratio"], r["met"]) for r in rows}
+    # the jaxserve vs llama.cpp (F32, default KV) pair, as before; f32kv's pair has only
+    # jaxserve's values (no llama.cpp f32kv record), the gguf pair both: 60/80, 0.5/0.4
+    got = {(r["case"], r["measure"]): (r["ratio"], r["met"]) for r in rows
+           if r["pair"] == "jaxserve vs llama.cpp"}
+    gguf = {r["measure"]: r["ratio"] for r in rows if r["pair"] == "jaxserve gguf vs llama.cpp gguf"}
+    assert gguf["throughput"] == pytest.approx(0.75) and gguf["mean TTFT"] == pytest.approx(1.25)
+    assert {r["pair"] for r in rows if r["case"] == "16:seed8:burst"} == {
+        "jaxserve vs llama.cpp", "jaxserve vs llama.cpp f32kv"}
     # 25/50 = 0.5 (goal >= 1: no); 3/2 = 1.5 (goal <= 1: no); 3000/1500 = 2.0 (no); 1.0 (=1: yes)
     assert got[("16:seed8:burst", "throughput")] == (0.5, False)
     assert got[("16:seed8:burst", "mean TTFT")] == (1.5, False)
@@ -146,20 +160,23 @@ def test_ratio_rows_hand_computed():
     assert got[("8:ragged64:burst", "peak RSS")] == (pytest.approx(0.9), True)
     # a jaxserve-only case: no ratio, nothing judged
     assert got[("8:seed8:burst", "throughput")] == (None, None)
-    assert [r["case"] for r in rows[::4]] == ["16:seed8:burst", "8:ragged64:burst", "8:seed8:burst"]
+    assert [r["case"] for r in rows[::4]] == ["16:seed8:burst"] * 2 + ["8:ragged64:burst"] * 2 + [
+        "8:seed8:burst"] * 3
 
     table = cmp.format_table(rows).splitlines()
-    assert len(table) == 2 + 3 * 4
-    assert table[2] == "| 16:seed8:burst | throughput (tok/s) | 50.00 | 25.00 | 0.50 | ≥1 no |"
-    assert table[4] == "| 16:seed8:burst | peak RSS (MiB) | 1500 | 3000 | 2.00 | ≤1 no |"
-    assert table[9] == "| 8:ragged64:burst | KV capacity (tokens) | 11776 | 11776 | 1.00 | =1 yes |"
-    assert table[10] == "| 8:seed8:burst | throughput (tok/s) | – | 30.00 | – | ≥1 – |"
+    assert len(table) == 2 + 7 * 4
+    assert table[2] == ("| 16:seed8:burst | jaxserve vs llama.cpp | throughput (tok/s) | 50.00 | "
+                        "25.00 | 0.50 | ≥1 no |")
+    assert table[4] == ("| 16:seed8:burst | jaxserve vs llama.cpp | peak RSS (MiB) | 1500 | 3000 | "
+                        "2.00 | ≤1 no |")
+    assert table[6] == ("| 16:seed8:burst | jaxserve vs llama.cpp f32kv | throughput (tok/s) | – | "
+                        "25.00 | – | ≥1 – |")
 
 
 # ------------------------------------------------------------ commands and processes
 def test_schedule_fresh_per_case_or_one_server_per_n():
     cases = [cmp.parse_case(c) for c in ("16:seed8:burst", "8:seed8:burst", "16:ragged64:burst")]
-    fresh = cmp.schedule(cases, cmp.ENGINES, reuse=False)
+    fresh = cmp.schedule(cases, ("llama.cpp", "jaxserve"), reuse=False)
     assert [(e, [c.key for c in g]) for e, g in fresh] == [
         ("llama.cpp", ["16:seed8:burst"]), ("jaxserve", ["16:seed8:burst"]),
         ("llama.cpp", ["8:seed8:burst"]), ("jaxserve", ["8:seed8:burst"]),
@@ -174,17 +191,29 @@ def test_server_commands_give_equal_kv(tmp_path):
                                  "--f32_model=/m/f32.gguf", "--jaxserve_cmd=env X=1 jaxserve serve",
                                  "--jaxserve_extra=--compile_cache_dir=/cc"])
     plan = cmp.plan_kv(11632, 16)
-    ll = cmp.server_command("llama.cpp", a, cases[0], plan, 9001)
+    ll = cmp.server_command("llama.cpp f32kv", a, cases[0].num_seqs, plan, 9001)
     assert ll[:3] == ["/b/llama-server", "-m", "/m/f32.gguf"]
     joined = " ".join(ll)
     for part in ("--host 127.0.0.1", "--port 9001", "--parallel 16", "-kvu", "-c 11776", "-t 2",
                  "-ctk f32", "-ctv f32"):
         assert part in joined, part
-    js = cmp.server_command("jaxserve", a, cases[0], plan, 9002)
+    # llama.cpp's defaults: F32 weights, no KV type flag (f16); the original file as shipped
+    ll = cmp.server_command("llama.cpp", a, 16, plan, 9001)
+    assert ll[2] == "/m/f32.gguf" and "-ctk" not in ll and "-c" in ll
+    ll = cmp.server_command("llama.cpp gguf", a, 16, plan, 9001)
+    assert ll[2] == str(a.model) and "-ctk" not in ll
+    js = cmp.server_command("jaxserve", a, cases[0].num_seqs, plan, 9002)
     assert js[:4] == ["env", "X=1", "jaxserve", "serve"]
     for part in ("--host=127.0.0.1", "--port=9002", "--max_num_seqs=16", "--num_kv_blocks=737",
-                 "--block_size=16", "--compile_cache_dir=/cc"):
+                 "--block_size=16", "--compile_cache_dir=/cc", "--quantization=none"):
         assert part in js, part
+    assert "--quantization=auto" in cmp.server_command("jaxserve gguf", a, 16, plan, 9002)
+
+
+def test_load_warning():
+    assert cmp.load_warning(0.8, "x") is None
+    w = cmp.load_warning(2.5, "jaxserve 16:seed8:burst")
+    assert w.startswith("WARNING: load average 2.50 > 1 before jaxserve 16:seed8:burst")
 
 
 STUB = textwrap.dedent("""

@@ -1,0 +1,302 @@
+// Quantized-weight matmul for XLA:CPU (XLA FFI): y[M, N] = x[M, K] @ W[N, K]^T, with W in
+// ggml-style blocks along K (jaxserve/model/quant.py documents the formats), dequantized
+// on the fly: the weights are read once per call, never written out in float.
+//
+//   q8: q s8[N, K], scale f16[N, K/block]           w = scale * q
+//   q4: q u8[N, K/2], scale, min f16[N, K/32]       w = scale * nib + min
+//   (f16 scales converted to f32 exactly, the products in f32, as ggml)
+//       (byte j of a 32-block: element j in the low nibble, element j + 16 in the high one)
+//
+// Up to kDirectRows rows of x (decode of one or two sequences): register tiles of 4
+// weight rows x 1-2 rows of x (AVX2/FMA); each 32-element sub-block of the 4 weight rows
+// is dequantized in registers (int8 / nibbles -> f32, times the block's scale, plus its
+// min) and multiplied into the accumulators; no dequantized copy of W is written.
+// More rows: each task dequantizes its 32 weight rows once into a small f32 panel (L2)
+// and multiplies it by all rows of x with 4 x 3 register tiles. K and block must be multiples of 32. Output rows are split
+// into tasks of kRowsPerTask weight rows, taken by XLA's intra-op thread pool
+// (ffi::ThreadPool) and the calling thread. Activations stay f32. Without AVX2 a
+// portable scalar loop computes the same sums.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// IEEE half -> float (exact), portable: one per block and row, off the inner loop.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+constexpr int64_t kRowsPerTask = 32;
+constexpr int64_t kDirectRows = 2;  // up to this many rows of x: dequantize in registers
+
+struct Work {
+  int64_t M, N, K, block, nb;
+  bool q4;
+  const float* x;
+  const void* q;
+  const uint16_t* scale;  // f16 bits
+  const uint16_t* mn;
+  float* y;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t n_tasks;
+
+  void Run(int64_t t);
+  void Drain() {
+    for (int64_t t = next.fetch_add(1); t < n_tasks; t = next.fetch_add(1)) {
+      Run(t);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+#ifdef __AVX2__
+inline float HSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The four 8-float chunks of one 32-element sub-block of weight row n (sub-block index sb).
+template <bool Q4>
+inline void Dequant32(const Work& w, int64_t n, int64_t sb, __m256 out[4]) {
+  const int64_t b = (sb * 32) / w.block;
+  const __m256 d = _mm256_set1_ps(HalfToFloat(w.scale[n * w.nb + b]));
+  if constexpr (Q4) {
+    const __m256 m = _mm256_set1_ps(HalfToFloat(w.mn[n * w.nb + b]));
+    const __m128i raw = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.q) + n * (w.K / 2) + sb * 16));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(raw, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    out[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
+    out[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
+    out[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
+    out[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
+  } else {
+    const int8_t* qb = static_cast<const int8_t*>(w.q) + n * w.K + sb * 32;
+    for (int c = 0; c < 4; ++c) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * c));
+      out[c] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
+    }
+  }
+}
+
+// y[r0:r0+RT, n0:n0+NT] over the whole K: NT weight rows dequantized once per chunk and
+// used by RT rows of x (NT * RT accumulators in registers).
+template <bool Q4, int NT, int RT>
+void Tile(const Work& w, int64_t n0, int64_t r0) {
+  __m256 acc[NT][RT];
+  for (int i = 0; i < NT; ++i)
+    for (int r = 0; r < RT; ++r) acc[i][r] = _mm256_setzero_ps();
+  const int64_t nsb = w.K / 32;
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m256 wv[NT][4];
+    for (int i = 0; i < NT; ++i) Dequant32<Q4>(w, n0 + i, sb, wv[i]);
+    for (int c = 0; c < 4; ++c) {
+      for (int r = 0; r < RT; ++r) {
+        const __m256 xv = _mm256_loadu_ps(w.x + (r0 + r) * w.K + sb * 32 + 8 * c);
+        for (int i = 0; i < NT; ++i) acc[i][r] = _mm256_fmadd_ps(wv[i][c], xv, acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NT; ++i)
+    for (int r = 0; r < RT; ++r) w.y[(r0 + r) * w.N + n0 + i] = HSum(acc[i][r]);
+}
+
+template <bool Q4, int NT>
+void Rows(const Work& w, int64_t n0) {
+  int64_t r = 0;
+  for (; r + 2 <= w.M; r += 2) Tile<Q4, NT, 2>(w, n0, r);
+  if (r < w.M) Tile<Q4, NT, 1>(w, n0, r);
+}
+
+// Panel path (M > kDirectRows): the task's weight rows are dequantized once into an
+// f32 panel [rows, K] (L2-resident), then an fp32 register-tiled product of NT panel
+// rows x RT rows of x, so the dequantization is not repeated for every pair of x rows.
+template <int NT, int RT>
+void PanelTile(const Work& w, const float* panel, int64_t p0, int64_t n0, int64_t r0) {
+  __m256 acc[NT][RT];
+  for (int i = 0; i < NT; ++i)
+    for (int r = 0; r < RT; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < w.K; k += 8) {
+    __m256 wv[NT];
+    for (int i = 0; i < NT; ++i) wv[i] = _mm256_loadu_ps(panel + (p0 + i) * w.K + k);
+    for (int r = 0; r < RT; ++r) {
+      const __m256 xv = _mm256_loadu_ps(w.x + (r0 + r) * w.K + k);
+      for (int i = 0; i < NT; ++i) acc[i][r] = _mm256_fmadd_ps(wv[i], xv, acc[i][r]);
+    }
+  }
+  for (int i = 0; i < NT; ++i)
+    for (int r = 0; r < RT; ++r) w.y[(r0 + r) * w.N + n0 + p0 + i] = HSum(acc[i][r]);
+}
+
+template <int NT>
+void PanelRows(const Work& w, const float* panel, int64_t p0, int64_t n0) {
+  int64_t r = 0;
+  for (; r + 3 <= w.M; r += 3) PanelTile<NT, 3>(w, panel, p0, n0, r);
+  for (; r < w.M; ++r) PanelTile<NT, 1>(w, panel, p0, n0, r);
+}
+
+template <bool Q4>
+void RunPanel(const Work& w, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> panel;
+  panel.resize((n1 - n0) * w.K);
+  const int64_t nsb = w.K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* row = panel.data() + (n - n0) * w.K;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      __m256 v[4];
+      Dequant32<Q4>(w, n, sb, v);
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(row + sb * 32 + 8 * c, v[c]);
+    }
+  }
+  int64_t p = 0;
+  for (; p + 4 <= n1 - n0; p += 4) PanelRows<4>(w, panel.data(), p, n0);
+  for (; p < n1 - n0; ++p) PanelRows<1>(w, panel.data(), p, n0);
+}
+
+template <bool Q4>
+void RunRows(const Work& w, int64_t n0, int64_t n1) {
+  if (w.M > kDirectRows) return RunPanel<Q4>(w, n0, n1);
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) Rows<Q4, 4>(w, n);
+  for (; n < n1; ++n) Rows<Q4, 1>(w, n);
+}
+
+void Work::Run(int64_t t) {
+  const int64_t n0 = t * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
+  if (q4) {
+    RunRows<true>(*this, n0, n1);
+  } else {
+    RunRows<false>(*this, n0, n1);
+  }
+}
+#else
+// Portable fallback (no AVX2): the same arithmetic, one element at a time.
+void Work::Run(int64_t t) {
+  const int64_t n0 = t * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t r = 0; r < M; ++r) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t b = k / block;
+        float v;
+        if (q4) {
+          const uint8_t byte = static_cast<const uint8_t*>(q)[n * (K / 2) + (k / 32) * 16 + (k % 16)];
+          const int nib = (k % 32) < 16 ? (byte & 15) : (byte >> 4);
+          v = HalfToFloat(scale[n * nb + b]) * static_cast<float>(nib) + HalfToFloat(mn[n * nb + b]);
+        } else {
+          v = HalfToFloat(scale[n * nb + b]) *
+              static_cast<float>(static_cast<const int8_t*>(q)[n * K + k]);
+        }
+        acc += x[r * K + k] * v;
+      }
+      y[r * N + n] = acc;
+    }
+  }
+}
+#endif
+
+ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const void* q,
+               int64_t q_cols, ffi::Buffer<ffi::F16>& scale, const uint16_t* mn,
+               ffi::ResultBuffer<ffi::F32>& y, int64_t block) {
+  auto xd = x.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || sd.size() != 2) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qmatmul: x and scale must be 2-D");
+  }
+  const int64_t M = xd[0], K = xd[1], N = sd[0], nb = sd[1];
+  if (block <= 0 || K != nb * block || K % 32 != 0 || block % 32 != 0 || q_cols != (q4 ? K / 2 : K) || (q4 && block != 32) ||
+      y->dimensions()[0] != M || y->dimensions()[1] != N) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "qmatmul: shapes do not agree (M=" + std::to_string(M) + " K=" +
+                          std::to_string(K) + " N=" + std::to_string(N) + " blocks=" +
+                          std::to_string(nb) + " block=" + std::to_string(block) + ")");
+  }
+  auto w = std::make_shared<Work>();
+  w->M = M, w->N = N, w->K = K, w->block = block, w->nb = nb, w->q4 = q4;
+  w->x = x.typed_data(), w->q = q, w->mn = mn;
+  w->scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  w->y = y->typed_data();
+  w->n_tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), w->n_tasks - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([w]() { w->Drain(); });
+  w->Drain();
+  while (w->done.load(std::memory_order_acquire) < w->n_tasks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                  ffi::Buffer<ffi::F16> scale, ffi::ResultBuffer<ffi::F32> y, int64_t block) {
+  if (q.dimensions().size() != 2 || q.dimensions()[0] != scale.dimensions()[0]) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "qmatmul_q8: q must be [N, K]");
+  }
+  return Run(pool, false, x, q.typed_data(), q.dimensions()[1], scale, nullptr, y, block);
+}
+
+ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
+                  ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> mn,
+                  ffi::ResultBuffer<ffi::F32> y, int64_t block) {
+  if (q.dimensions().size() != 2 || q.dimensions()[0] != scale.dimensions()[0] ||
+      mn.dimensions().size() != 2 || mn.dimensions()[0] != scale.dimensions()[0] ||
+      mn.dimensions()[1] != scale.dimensions()[1]) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "qmatmul_q4: q must be [N, K/2], scale and min [N, K/32]");
+  }
+  return Run(pool, true, x, q.typed_data(), q.dimensions()[1], scale,
+             reinterpret_cast<const uint16_t*>(mn.typed_data()), y, block);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmulQ8, Q8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // q [N, K]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scale [N, K/block]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmulQ4, Q4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // q [N, K/2]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scale [N, K/32]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // min [N, K/32]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("block"));

@@ -1,0 +1,235 @@
+"""Quantized weights (issue 26): block formats against gguf-py, the quantized matmul
+(native CPU kernel and the dequantize + dot path) against a float64 reference of the
+dequantized weights, scheme validation, and a tiny engine on quantized weights."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from jaxserve.checkpoint.gguf_quant import blocks_of
+from jaxserve.model import linear, native_qmatmul, quant
+from jaxserve.model.quant import QuantizedWeight
+
+
+def _gguf_tensor(w: np.ndarray, qtype: Q) -> SimpleNamespace:
+    """A GGUF tensor record (what GGUFReader gives) of w [N, K] quantized by gguf-py."""
+    raw = gguf.quants.quantize(w, qtype)
+    return SimpleNamespace(tensor_type=int(qtype), shape=np.array(w.shape[::-1]), data=raw,
+                           name="t")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_gguf_blocks_dequantize_bit_exactly(qtype):
+    rng = np.random.default_rng(int(qtype))
+    w = (rng.standard_normal((7, 96)) * rng.uniform(0.01, 3, (7, 1))).astype(np.float32)
+    t = _gguf_tensor(w, qtype)
+    qw = blocks_of(t, "x.gguf")
+    assert qw.kind == ("q8" if qtype == Q.Q8_0 else "q4") and qw.shape == (7, 96)
+    want = gguf.quants.dequantize(t.data, qtype).reshape(7, 96)
+    np.testing.assert_array_equal(quant.dequantize(qw), want)
+    # stored compactly: 1 byte (q8) or half a byte (q4) per weight plus per-block scales
+    assert qw.q.nbytes == (7 * 96 if qw.kind == "q8" else 7 * 48)
+
+
+def test_float_tensor_is_not_blocks():
+    t = SimpleNamespace(tensor_type=int(Q.F32), shape=np.array([64, 3]),
+                        data=np.zeros((3, 64), np.float32), name="t")
+    assert blocks_of(t, "x.gguf") is None
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "int8", "q4"])
+def test_quantize_error_within_half_a_step(kind):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((5, 64)).astype(np.float32) * np.float32(2.5)
+    qw = (quant.quantize_q4(w) if kind == "q4" else
+          quant.quantize_q8(w, block=64 if kind == "int8" else 32))
+    err = np.abs(quant.dequantize(qw, np.float64) - w).reshape(5, -1, qw.block)
+    step = np.asarray(qw.scale, np.float64)[..., None]
+    assert np.all(err <= step / 2 * (1 + 1e-5) + 1e-7)
+    assert qw.scale.shape == (5, 64 // qw.block)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("kind", ["q8", "q4", "int8"])
+@pytest.mark.parametrize("shape", [(37, 96), (5, 160)])
+def test_quantized_matmul_matches_float64(native, kind, shape):
+    if native and not native_qmatmul.available():
+        pytest.skip("no C++ compiler")
+    n, k = shape
+    rng = np.random.default_rng(n * k)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    qw = (quant.quantize_q4(w) if kind == "q4" else
+          quant.quantize_q8(w, block=k if kind == "int8" else 32))
+    fn = jax.jit(lambda x, w: linear.quantized_matmul(x, w, native=native))
+    for m in (1, 2, 7, 64):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        want = x.astype(np.float64) @ quant.dequantize(qw, np.float64).T
+        got = np.asarray(fn(x, qw))
+        assert got.shape == (m, n)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_embed_rows_and_linear_dispatch():
+    rng = np.random.default_rng(3)
+    e = rng.standard_normal((11, 64)).astype(np.float32)
+    qe = quant.quantize_q8(e)
+    ids = np.array([3, 0, 10, 3], np.int32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(linear.embed_rows)(qe, ids)),
+                                  quant.dequantize(qe)[ids])
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    wt = np.ascontiguousarray(e.T)  # float canonical [K, N]: plain x @ w
+    np.testing.assert_allclose(np.asarray(linear.linear(x, wt)), x @ wt, rtol=1e-5, atol=1e-5)
+
+
+def test_scheme_errors_are_clear():
+    with pytest.raises(ValueError, match="quantization='fp4' must be one of"):
+        quant.resolve_scheme("fp4", kept_kinds=set(), source="m")
+    with pytest.raises(ValueError, match="no 4-bit tensors.*fewer bits"):
+        quant.resolve_scheme("q4", kept_kinds={"q8"}, source="m.gguf")
+    assert quant.resolve_scheme("q4", kept_kinds={"q4", "q8"}, source="m") == "q4"
+    assert quant.resolve_scheme("auto", kept_kinds=set(), source="m") == "keep"
+    with pytest.raises(ValueError, match="K=48 is not a multiple of 32"):
+        quant.quantize_q4(np.zeros((4, 48), np.float32))
+    tree = {"embed": quant.quantize_q8(np.zeros((4, 64), np.float32)), "layers": {}}
+    with pytest.raises(ValueError, match="tensor_parallel_size=2.*32-element blocks"):
+        quant.engine_scheme("auto", tree, tensor_parallel_size=2)
+    assert quant.engine_scheme("none", tree, tensor_parallel_size=2) == "none"
+    from jaxserve.config import ModelConfig
+    from jaxserve.engine import make_engine_config
+
+    with pytest.raises(ValueError, match="EngineConfig.quantization='int4' must be one of"):
+        make_engine_config(ModelConfig.tiny(), quantization="int4")
+
+
+# A tiny config whose every contraction (hidden 64, heads 4 x 16, MLP 96) holds whole
+# 32-element blocks; vocab 67 and the KV width 32 keep the sizes distinct.
+CFG_KW = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16)
+
+
+def _float_tree(tree: dict) -> dict:
+    """The float canonical tree a quantized one stands for (the reference's weights)."""
+    def f(k, v):
+        return quant.dequantize_leaf(v, key=k) if isinstance(v, QuantizedWeight) else v
+
+    return {**{k: f(k, v) for k, v in tree.items() if k != "layers"},
+            "layers": {k: f(k, v) for k, v in tree["layers"].items()}}
+
+
+def _quantized_tree(params: dict, scheme: str) -> dict:
+    return {**{k: quant.quantize_leaf(v, scheme, key=k) for k, v in params.items()
+               if k != "layers"},
+            "layers": {k: quant.quantize_leaf(v, scheme, key=k)
+                       for k, v in params["layers"].items()}}
+
+
+def _greedy(engine, prompts, n):
+    from jaxserve.sampling_params import SamplingParams
+    from tests.conftest import drain
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, sp)
+    outs = drain(engine)
+    return [list(outs[f"p{i}"].outputs[0].token_ids) for i in range(len(prompts))]
+
+
+def _reference_greedy(cfg, params, prompt, n):
+    from jaxserve.model.llama import prepare_params, reference_logits
+
+    p = prepare_params(cfg, params, unroll_layers=False, quantization="none")
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(np.argmax(reference_logits(cfg, p, np.array(ids))[-1])))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("scheme", ["q4", "int8"])
+def test_engine_on_quantized_weights(scheme):
+    """Greedy tokens of an engine that quantizes float weights at load equal a float
+    reference forward over the same (dequantized) weights; update_params with float
+    weights quantizes them on the way in; no compile after warm-up; the weights stay
+    quantized on the device."""
+    from jaxserve.engine import LLMEngine, make_engine_config
+    from tests.conftest import tiny_params
+
+    cfg, params = tiny_params(seed=4, **CFG_KW)
+    config = make_engine_config(cfg, max_model_len=64, block_size=4, num_kv_blocks=64,
+                                max_num_seqs=4, max_num_batched_tokens=16,
+                                attention_backend="xla", min_token_bucket=8, min_seq_bucket=4,
+                                strict_compiles=True, quantization=scheme)
+    engine = LLMEngine(config, params, None, model_name="tiny-q", progress=False)
+    placed = engine.runner.params
+    wq = placed["layers"][0]["wq"]
+    assert isinstance(wq, QuantizedWeight) and wq.q.dtype == (np.uint8 if scheme == "q4"
+                                                             else np.int8)
+    assert isinstance(placed["embed"], QuantizedWeight)  # q8 blocks under every scheme
+    prompts = [[1, 5, 9, 22, 40], [1, 7, 7]]
+    ref_tree = _float_tree(_quantized_tree(params, scheme))
+    want = [_reference_greedy(cfg, ref_tree, p, 6) for p in prompts]
+    assert _greedy(engine, prompts, 6) == want
+
+    _, params2 = tiny_params(seed=5, **CFG_KW)
+    engine.update_params(params2)  # float weights into the quantized engine
+    assert isinstance(engine.runner.params["layers"][1]["w_down"], QuantizedWeight)
+    want2 = [_reference_greedy(cfg, _float_tree(_quantized_tree(params2, scheme)), p, 6)
+             for p in prompts]
+    assert want2 != want
+    assert _greedy(engine, prompts, 6) == want2
+    assert engine.get_stats()["num_compiles_after_warmup"] == 0
+
+
+@pytest.mark.parametrize("scheme", ["int8", "q8_0", "q4"])
+@pytest.mark.parametrize("key,shape", [("wq", (2, 64, 96)), ("embed", (11, 64)),
+                                       ("lm_head", (64, 11))])
+def test_abstract_quantized_matches_the_real_format(scheme, key, shape):
+    """Deviceless compiles trace the same tree structure, shapes and dtypes as a real
+    quantized engine, owning no memory."""
+    real = quant.quantize_leaf(np.ones(shape, np.float32), scheme, key=key)
+    fake = quant.abstract_quantized(shape, scheme, key=key)
+    spec = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)  # noqa: E731
+    assert jax.tree.structure(fake) == jax.tree.structure(real)
+    assert spec(fake) == spec(real)
+    assert all(a.strides == (0,) * a.ndim for a in jax.tree.leaves(fake))
+
+
+def test_a_float_gguf_loads_as_floats_under_auto():
+    """A GGUF with no quantized tensor takes the ordinary (cached) load under every
+    scheme; the engine then decides what its matrices become."""
+    from pathlib import Path
+
+    from jaxserve.checkpoint import load_model
+    from jaxserve.checkpoint.gguf_quant import has_blocks
+
+    path = Path(__file__).parents[1] / "fixtures" / "tiny_gguf" / "tiny-f32.gguf"
+    assert not has_blocks(path)
+    _, tree, _ = load_model(path, quantization="auto", cache_dir=None, progress=False)
+    assert not quant.tree_kinds(tree) and tree["layers"]["wq"].dtype == np.float32
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_q8_0_gguf_blocks_match_transformers_logits(unroll):
+    """The tiny Q8_0 GGUF fixture with its blocks kept (stacked under the scan, or one
+    leaf per layer) gives transformers' logits of the same file (tests/fixtures/tiny_gguf)."""
+    from pathlib import Path
+
+    from jaxserve.checkpoint import load_model
+    from jaxserve.model.llama import prepare_params, reference_logits
+
+    tiny = Path(__file__).parents[1] / "fixtures" / "tiny_gguf"
+    cfg, tree, _ = load_model(tiny / "tiny-q8_0.gguf", quantization="auto", cache_dir=None,
+                              progress=False)
+    assert quant.tree_kinds(tree) == {"q8"}
+    params = prepare_params(cfg, tree, unroll_layers=unroll)
+    wq = params["layers"][0]["wq"] if unroll else params["layers"]["wq"]
+    assert isinstance(wq, QuantizedWeight)
+    gold = np.load(tiny / "logits_q8_0.npz")
+    for j in range(3):
+        got = reference_logits(cfg, params, gold[f"ids_{j}"])
+        assert np.abs(got - gold[f"logits_{j}"]).max() < 1e-4, j
