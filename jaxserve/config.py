@@ -376,6 +376,10 @@ class EngineConfig:
     # warm-up, every program of a full one) at once; XLA:CPU compiles one program on
     # one core. The background stages use one thread (serving goes on beside them).
     compile_threads: int = 2
+    # LoRA (issue 27, vLLM's names): device slots for adapters (0: LoRA off) and the
+    # largest adapter rank they hold. Every step program carries the slots' A/B.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
@@ -387,6 +391,10 @@ class EngineConfig:
                      <= L and L % self.layers_per_program == 0),
                  f"EngineConfig.layers_per_program={self.layers_per_program!r} must be a "
                  f"divisor of num_hidden_layers={L}")
+        _require(isinstance(self.max_loras, int) and self.max_loras >= 0,
+                 f"EngineConfig.max_loras={self.max_loras!r} must be an int >= 0")
+        _require(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1,
+                 f"EngineConfig.max_lora_rank={self.max_lora_rank!r} must be an int >= 1")
         _require(isinstance(self.compile_threads, int) and self.compile_threads >= 1,
                  f"EngineConfig.compile_threads={self.compile_threads!r} must be a positive int")
         _require(self.warmup in ("full", "progressive"),

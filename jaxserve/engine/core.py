@@ -30,10 +30,12 @@ from typing import Any, Sequence
 
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
+from jaxserve.engine.lora import EngineLoRA
 from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
 from jaxserve.engine.pause import Pauser, check_mode
 from jaxserve.engine.provenance import WeightProvenance
 from jaxserve.engine.sleep import Sleeper
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.scheduler.request import RequestStatus
 from jaxserve.worker.runner import PromptLogprobs, RowError, Runner, SampledToken
@@ -60,6 +62,8 @@ def make_engine_config(model: ModelConfig, **engine_args: Any) -> EngineConfig:
         if engine_args.setdefault("policy", policy) != policy:
             raise ValueError(f"scheduling_policy={policy!r} and policy="
                              f"{engine_args['policy']!r} disagree: give one")
+    if engine_args.pop("enable_lora", False):  # vLLM's switch; LoRA is on with max_loras > 0
+        engine_args["max_loras"] = engine_args.get("max_loras") or 1
     if "dtype" in engine_args:  # None keeps the model's (its loader's platform default)
         dtype = engine_args.pop("dtype")
         model = model if dtype is None else model.replace(dtype=dtype)
@@ -148,6 +152,7 @@ class LLMEngine:
         self.pauser = Pauser(self.scheduler, self.outputs, self._step)  # issue 28
         self.provenance = WeightProvenance()  # issue 28: token_weight_versions
         self.sleeper = Sleeper(self.scheduler, self.pauser, self.runner)  # issue 28: sleep
+        self.lora = EngineLoRA(self)  # issue 27: adapters, slots, update_lora
         self.grammars = None  # structured_output.GrammarCompiler (llguidance), with a tokenizer
         if tokenizer is not None:
             from jaxserve.structured_output import GrammarCompiler
@@ -163,8 +168,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, *,
                     messages: Sequence[dict[str, Any]] | None = None, priority: int = 0,
-                    arrival_time: float | None = None, logprob_start: int | None = None
-                    ) -> list[int]:
+                    arrival_time: float | None = None, logprob_start: int | None = None,
+                    lora_request: LoRARequest | None = None) -> list[int]:
         """Queue a request; return its prompt token ids.
 
         A request with `structured_outputs` whose grammar is still compiling is held
@@ -187,6 +192,7 @@ class LLMEngine:
         p = self.inputs.process(request_id, prompt, params, messages=messages, priority=priority,
                                 arrival_time=arrival_time, live_ids=self.outputs.live_ids(),
                                 logprob_start=logprob_start)
+        self.lora.attach(p.children, lora_request)  # its adapter's slot (None: base model)
         so = p.children[0].sampling_params.structured_outputs
         if so is not None:
             if self.grammars is None:

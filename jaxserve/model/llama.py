@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.attention.common import AttentionBackend, MdT
+from jaxserve.model.lora import project
 from jaxserve.model.params import param_shapes  # noqa: F401 - re-exported
 
 # One layer's weights, and a parameter tree: the canonical one (layers stacked on [L]) or
@@ -224,8 +225,12 @@ AttnFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.A
 
 
 def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], positions: jax.Array,
-                  inv_freq: jax.Array, attn_fn: AttnFn, attn_carry: Any, layer: jax.Array):
+                  inv_freq: jax.Array, attn_fn: AttnFn, attn_carry: Any, layer: jax.Array,
+                  lora_slots: jax.Array | None = None):
     """One pre-norm Llama block on x [T, E]; returns (x [T, E], attn_carry).
+
+    `lora_slots` i32[T] (issue 27): each token's LoRA slot (0 = none); the projections
+    then add their adapter's delta when `lp` carries a pool (`jaxserve.model.lora`).
 
     With cfg.attention_bias the q/k/v projections add their biases (Qwen2); with
     cfg.qk_norm q and k are RMS-normed per head over D before RoPE (Qwen3).
@@ -239,7 +244,7 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
             qkv = qkv + lp["bqkv"]
         q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=-1)
     else:  # the canonical keys: the reference path and the default engine layout
-        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+        q, k, v = (project(h, lp, n, lora_slots) for n in ("wq", "wk", "wv"))
         if cfg.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
@@ -249,18 +254,19 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     o, attn_carry = attn_fn(q, k, v, attn_carry, layer)  # [T, H, D]
-    x = x + o.reshape(T, H * D) @ lp["wo"]
+    x = x + project(o.reshape(T, H * D), lp, "wo", lora_slots)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in lp:
         gate, up = jnp.split(h @ lp["w_gate_up"], 2, axis=-1)
     else:
-        gate, up = h @ lp["w_gate"], h @ lp["w_up"]
-    x = x + (jax.nn.silu(gate) * up) @ lp["w_down"]
+        gate, up = project(h, lp, "w_gate", lora_slots), project(h, lp, "w_up", lora_slots)
+    x = x + project(jax.nn.silu(gate) * up, lp, "w_down", lora_slots)
     return x, attn_carry
 
 
 def run_layers(cfg: ModelConfig, params: Params, input_ids: jax.Array, positions: jax.Array,
-               attn_fn: AttnFn, attn_carry: Any) -> tuple[jax.Array, Any]:
+               attn_fn: AttnFn, attn_carry: Any, lora_slots: jax.Array | None = None
+               ) -> tuple[jax.Array, Any]:
     """Embed input_ids i32[T] and run all layers under a scan (or unrolled, when
     params["layers"] is a list of per-layer dicts, see `prepare_params`).
 
@@ -275,14 +281,15 @@ def run_layers(cfg: ModelConfig, params: Params, input_ids: jax.Array, positions
         # of the stacked array before its dot (the whole model, ~540 MB, every step).
         ac = attn_carry
         for i, lp in enumerate(params["layers"]):
-            x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, jnp.int32(i))
+            x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, jnp.int32(i),
+                                  lora_slots)
         return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), ac
     layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
 
     def body(carry, xs):
         x, ac = carry
         lp, layer = xs
-        x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, layer)
+        x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, layer, lora_slots)
         return (x, ac), None
 
     (x, attn_carry), _ = jax.lax.scan(body, (x, attn_carry), (params["layers"], layer_ids))

@@ -41,17 +41,19 @@ def embed_fn(embed: jax.Array, input_ids: jax.Array) -> jax.Array:
 
 
 def layers_fn(cfg: ModelConfig, backend: AttentionBackend, layer_params: list, k_caches: list,
-              v_caches: list, x: jax.Array, positions: jax.Array, attn_md: Any
-              ) -> tuple[jax.Array, list, list]:
+              v_caches: list, x: jax.Array, positions: jax.Array, attn_md: Any,
+              lora_slots: jax.Array | None = None) -> tuple[jax.Array, list, list]:
     """G decoder layers on x [T, E]: layer_params is a list of G per-layer weight dicts
     (`prepare_params(unroll_layers=True)`'s), k_caches / v_caches lists of their G
-    caches, each [N, B, K, D] in cfg.dtype (donate them). Returns (x [T, E], the G new
+    caches, each [N, B, K, D] in cfg.dtype (donate them); lora_slots i32[T] or None
+    (`jaxserve.model.lora`). Returns (x [T, E], the G new
     K caches, the G new V caches)."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     attn = paged_attn(cfg, attn_md, backend)
     ks, vs = [], []
     for lp, kc, vc in zip(layer_params, k_caches, v_caches, strict=True):
-        x, (kc, vc) = decoder_layer(cfg, x, lp, positions, inv_freq, attn, (kc, vc), None)
+        x, (kc, vc) = decoder_layer(cfg, x, lp, positions, inv_freq, attn, (kc, vc), None,
+                                    lora_slots)
         ks.append(kc)
         vs.append(vc)
     return x, ks, vs
@@ -86,7 +88,8 @@ class LayerStackProgram:
         lps, g = params["layers"], self.group
         for s in range(0, len(lps), g):
             x, ks[s:s + g], vs[s:s + g] = self.layers(lps[s:s + g], ks[s:s + g], vs[s:s + g], x,
-                                                      batch.positions, batch.attn_md)
+                                                      batch.positions, batch.attn_md,
+                                                      batch.lora_slots)
         rows, hidden = self.final(params["final_norm"], x, batch.logits_indices)
         return rows, (tuple(ks), tuple(vs)), hidden
 
