@@ -74,6 +74,22 @@ class EngineLoRA:
         """The registered adapters' requests (vLLM returns their ids; we return the requests)."""
         return [] if self.slots is None else self.slots.requests()
 
+    def request_named(self, name: str) -> LoRARequest:
+        """The registered adapter called `name` (the server's `model` field).
+
+        Raises:
+          ValueError: no adapter has that name.
+        """
+        for r in self.list_loras():
+            if r.lora_name == name:
+                return r
+        raise ValueError(f"no LoRA adapter named {name!r} (registered: "
+                         f"{[r.lora_name for r in self.list_loras()]})")
+
+    def next_id(self) -> int:
+        """An unused lora_int_id (the server's load route assigns it)."""
+        return max((r.lora_int_id for r in self.list_loras()), default=0) + 1
+
     def attach(self, children: Sequence[Any], lora_request: LoRARequest | None) -> None:
         """Give a new request's samples their adapter: registered on first use, a
         device slot, and the prefix-cache key.
