@@ -321,7 +321,7 @@ class LLM:
 
     def score(self, prompt_ids: Any, completion_ids: Any, *, prompt_lengths: Any = None,
               completion_lengths: Any = None, array: str = "numpy",
-              use_tqdm: bool = False) -> ScoreBatch:
+              use_tqdm: bool = False, lora_request: Any = None) -> ScoreBatch:
         """Teacher-forced logprobs of given completions (RL importance ratios, evaluation).
 
         Row i runs prompt_ids[i] + completion_ids[i] through the same paged engine as
@@ -337,6 +337,7 @@ class LLM:
             integer arrays, or one right-padded int[B, T] array (cut by
             prompt_lengths / completion_lengths, int[B]). One flat list of ints is one row.
           array: "numpy" or "jax" for the returned arrays.
+          lora_request: score under this LoRA adapter (every row; None: the base model).
 
         Returns: `ScoreBatch` (logprobs f32[B, T], mask bool[B, T], lengths i32[B]).
 
@@ -366,7 +367,8 @@ class LLM:
                     continue  # nothing to score: an all-padding row
                 rid = f"score-{next(self._ids)}"
                 try:
-                    self.engine.add_request(rid, p + c, greedy_one, logprob_start=len(p))
+                    self.engine.add_request(rid, p + c, greedy_one, logprob_start=len(p),
+                                            lora_request=lora_request)
                 except ValueError as e:
                     raise ValueError(f"row {i} (prompt_ids[{i}] + completion_ids[{i}]): {e}") from e
                 ids.append(rid)
