@@ -72,6 +72,7 @@ def main() -> None:
     lora_ids, lora_gaps = greedy(peft_model, ids)
     assert lora_ids != base_ids, "the adapter does not change the greedy output"
     peft_model.save_pretrained(str(out))  # adapter_config.json + adapter_model.safetensors
+    (out / "README.md").unlink(missing_ok=True)  # peft's model card template
     import peft
     import transformers
 

@@ -186,7 +186,8 @@ def read_peft_config(path: str) -> dict:
         conf = json.load(f)
     if conf.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{cfg_path}: peft_type={conf.get('peft_type')!r}, only 'LORA' is served")
-    for key in ("use_dora", "modules_to_save"):
+    for key in ("use_dora", "modules_to_save", "fan_in_fan_out", "target_parameters",
+                "trainable_token_indices", "layer_replication"):
         if conf.get(key):
             raise ValueError(f"{cfg_path}: {key}={conf[key]!r} is not supported")
     if conf.get("bias", "none") != "none":
