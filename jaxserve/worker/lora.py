@@ -137,6 +137,9 @@ class LoRAPool:
         Raises:
           ValueError: a slot out of range, or a rank over max_lora_rank.
         """
+        if jax.process_count() > 1:  # the followers would keep the old slot
+            raise ValueError(f"LoRA slots cannot be written across {jax.process_count()} "
+                             f"processes (multi-host)")
         if not 1 <= slot <= self.max_loras:
             raise ValueError(f"LoRA slot {slot} is outside 1..max_loras={self.max_loras}")
         if adapter is not None and adapter.rank > self.rank:

@@ -234,3 +234,26 @@ def test_lora_off_is_a_clear_error():
     with pytest.raises(ValueError, match="LoRA is off"):
         eng.add_request("x", PROMPT, GREEDY, lora_request=LoRARequest("a", 1, {}))
     assert not eng.has_unfinished_requests()
+
+
+def test_llm_generate_takes_one_lora_request_per_prompt():
+    from jaxserve import LLM
+    from jaxserve.engine import make_engine_config
+
+    eng = _engine()
+    cfg, params = tiny_params()
+    tree = random_adapter(cfg, 2, seed=90)
+    lr = LoRARequest("p", 4, tree)
+    llm = LLM(engine=eng)
+    try:
+        outs = llm.generate([PROMPT, PROMPT], GREEDY, lora_request=[lr, None], use_tqdm=False)
+        for o, p in zip(outs, (merged_params(params, tree), params)):
+            c = o.outputs[0]
+            np.testing.assert_allclose(c.token_logprobs, _reference(p, PROMPT, c.token_ids),
+                                       atol=1e-4)
+        assert [r.lora_name for r in llm.list_loras()] == ["p"]
+        with pytest.raises(ValueError, match="got 1 lora_requests for 2 prompts"):
+            llm.generate([PROMPT, PROMPT], GREEDY, lora_request=[lr])
+    finally:
+        _cleanup(eng)
+    assert make_engine_config(cfg, enable_lora=True).max_loras == 1  # vLLM's switch
