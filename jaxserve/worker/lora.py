@@ -76,8 +76,18 @@ class LoRAPool:
         return token_lora_slots(out, rows, out.token_bucket)
 
     def keep_adapters(self, new_params: dict) -> dict:
-        """New base weights (`update_params`) with the live pool leaves carried over."""
-        return self.merge(new_params, self.split(self.runner.params))
+        """New base weights (`update_params`) with the live pool leaves carried over.
+
+        Raises:
+          ValueError: the pool was discarded (`sleep(2, discard_weights=True)`): the
+            adapters' slots are gone, so serving them would be silently wrong.
+        """
+        pool = self.split(self.runner.params)
+        if not all(isinstance(a, jax.Array) for a in jax.tree.leaves(pool)):
+            raise ValueError("update_params: the LoRA slots were discarded by sleep(level=2, "
+                             "discard_weights=True); a LoRA engine sleeps with "
+                             "discard_weights=False")
+        return self.merge(new_params, pool)
 
     @staticmethod
     def split(params: dict) -> Any:
