@@ -380,6 +380,12 @@ class EngineConfig:
     # largest adapter rank they hold. Every step program carries the slots' A/B.
     max_loras: int = 0
     max_lora_rank: int = 16
+    # vLLM's async_scheduling (issue 24): plan and dispatch step n+1 as soon as step n's
+    # tokens are back, then process step n's outputs (detokenizer, stop strings,
+    # RequestOutputs) while the device runs n+1. Outputs are the same as with it off; a
+    # request that a stop string ends wastes one row of the step already dispatched.
+    # Steps while a structured-output request is live run without overlap.
+    async_scheduling: bool = True
 
     def __post_init__(self):
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,

@@ -20,8 +20,10 @@ device's busy time per step, its idle fraction, and a per-phase breakdown of the
 schedule, runner host work (batch layout, the fake's bookkeeping; with `--real`
 also attention and sampling metadata), update_from_output, output processing
 (incremental detokenizer, stop checks, `RequestOutput` assembly) and the rest of
-`step()`. With `--real` the device half is `ModelRunner.run_host_batch` (host to
-device copy, the programs, the fetch), timed as it runs.
+`step()`. With `--real` the device half is `ModelRunner.launch_host_batch` (host to
+device copy, the programs' launch) and `fetch_step` (waiting for them, the copy back),
+timed as they run. `--no_async` turns the engine's `async_scheduling` off (the serial
+loop: plan, run, fetch, process outputs, then plan the next).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class PhaseClock:
 
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     device: float = 0.0
+    launch: float = 0.0  # the part of `device` spent inside the runner's dispatch
+    h2d_bytes: int = 0  # host-to-device bytes of the steps timed (the real runner)
 
     def wrap(self, obj: Any, name: str, phase: str) -> None:
         """Replace `obj.name` by a wrapper that adds its wall time to `phase` ("device":
@@ -50,8 +54,10 @@ class PhaseClock:
         fn = getattr(obj, name)
 
         def add(dt: float) -> None:
-            if phase == "device":
+            if phase in ("device", "launch"):
                 self.device += dt
+                if phase == "launch":
+                    self.launch += dt
             else:
                 self.seconds[phase] += dt
 
@@ -66,7 +72,8 @@ class PhaseClock:
     def reset(self) -> None:
         for k in self.seconds:
             self.seconds[k] = 0.0
-        self.device = 0.0
+        self.device = self.launch = 0.0
+        self.h2d_bytes = 0
 
 
 @dataclass
@@ -85,9 +92,11 @@ class HostResult:
     host_us_per_row: float
     device_idle: float
     phases_ms_per_step: dict[str, float]
+    h2d_kib_per_step: float | None = None  # host arrays a step sends (the real runner)
 
 
-def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any) -> Any:
+def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any,
+            async_scheduling: bool = True) -> Any:
     from jaxserve.config import ModelConfig
     from jaxserve.engine import LLMEngine, make_engine_config
     from jaxserve.worker.fake_runner import FakeRunner
@@ -102,11 +111,13 @@ def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any) -> Any:
         params = jax.tree.map(np.asarray, canonical_params(Llama(cfg, rngs=nnx.Rngs(0))))
         config = make_engine_config(cfg, max_num_seqs=rows, max_num_batched_tokens=max(2048, rows),
                                     num_kv_blocks=128 * rows + 1, block_size=16,
-                                    max_model_len=2048, attention_backend="xla")
+                                    max_model_len=2048, attention_backend="xla",
+                                    async_scheduling=async_scheduling)
         return LLMEngine(config, params, tokenizer, progress=False)
     config = make_engine_config(ModelConfig.smollm2_135m(), max_num_seqs=rows,
                                 max_num_batched_tokens=max(2048, rows),
-                                num_kv_blocks=128 * rows + 1, block_size=16, max_model_len=2048)
+                                num_kv_blocks=128 * rows + 1, block_size=16, max_model_len=2048,
+                                async_scheduling=async_scheduling)
     runner = FakeRunner.for_config(config, build_batches=True, step_delay=device_ms / 1000)
     return LLMEngine(config, tokenizer=tokenizer, runner=runner)
 
@@ -117,17 +128,29 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
     for name in ("process_tokens", "collect", "process_prompt_logprobs"):
         clock.wrap(engine.outputs, name, "output")
     runner = engine.runner
-    if hasattr(runner, "run_host_batch"):  # the real runner: time its device half
-        clock.wrap(runner, "run_host_batch", "device")
-    clock.wrap(runner, "execute", "runner_host")
+    if hasattr(runner, "launch_host_batch"):  # the real runner: time its device half
+        launch = runner.launch_host_batch
+
+        def counted(host, *a, **kw):  # the bytes of the host arrays the step copies (a
+            import jax  # read-only one is a constant the runner keeps on the device)
+            import numpy as np
+            clock.h2d_bytes += sum(x.nbytes for x in jax.tree.leaves(host)
+                                   if isinstance(x, np.ndarray) and x.flags.writeable)
+            return launch(host, *a, **kw)
+        runner.launch_host_batch = counted
+        clock.wrap(runner, "launch_host_batch", "launch")
+        clock.wrap(runner, "fetch_step", "device")
+    clock.wrap(runner, "dispatch", "runner_host")
+    clock.wrap(runner, "execute", "runner_host")  # plans with no rows
 
 
 def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokenizer: Any,
+             async_scheduling: bool = True,
              log: Callable[[str], None] = print) -> HostResult:
     """Time one case (see the module doc); all `rows` requests decode throughout."""
     from jaxserve.sampling_params import SamplingParams
 
-    engine = _engine(rows, device_ms, real, tokenizer)
+    engine = _engine(rows, device_ms, real, tokenizer, async_scheduling)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                            add_generation_prompt=True, tokenize=True)
     sp = SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)
@@ -161,7 +184,7 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
     device = clock.device if real else runner.device_busy_s - busy0
     wait = clock.device if real else runner.device_wait_s - wait0
     phases = dict(clock.seconds)
-    phases["runner_host"] -= wait
+    phases["runner_host"] -= clock.launch  # the real runner launches inside dispatch
     phases["other"] = max(0.0, wall - wait - sum(phases.values()))
     for rid in ids:
         engine.abort(rid)
@@ -169,13 +192,15 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
     period = wall / steps
     host = period - wait / steps
     res = HostResult(
-        runner="model_runner(tiny)" if real else "fake", rows=rows,
+        runner=("model_runner(tiny)" if real else "fake") + ("" if async_scheduling else ",serial"),
+        rows=rows,
         device_ms=None if real else device_ms, steps=steps, seconds=round(wall, 3),
         tokens_per_request_per_s=round(sum(gained) / len(gained) / wall, 1),
         period_ms=round(period * 1e3, 3), device_ms_per_step=round(device / steps * 1e3, 3),
         host_ms_per_step=round(host * 1e3, 3), host_us_per_row=round(host / rows * 1e6, 1),
         device_idle=round(1 - device / wall, 3),
-        phases_ms_per_step={k: round(v / steps * 1e3, 3) for k, v in phases.items()})
+        phases_ms_per_step={k: round(v / steps * 1e3, 3) for k, v in phases.items()},
+        h2d_kib_per_step=round(clock.h2d_bytes / steps / 1024, 1) if real else None)
     log(_row(res))
     return res
 
@@ -183,10 +208,11 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
 def _row(r: HostResult) -> str:
     d = "real" if r.device_ms is None else f"{r.device_ms:g}"
     ph = " ".join(f"{k}={v:.2f}" for k, v in r.phases_ms_per_step.items())
-    return (f"{r.runner:18s} N={r.rows:<5d} D={d:>4s} ms  tok/req/s={r.tokens_per_request_per_s:8.1f}"
+    return (f"{r.runner:25s} N={r.rows:<5d} D={d:>4s} ms  tok/req/s={r.tokens_per_request_per_s:8.1f}"
             f"  period={r.period_ms:7.2f} ms  device={r.device_ms_per_step:6.2f} ms"
             f"  host={r.host_ms_per_step:6.2f} ms ({r.host_us_per_row:6.1f} us/row)"
-            f"  idle={r.device_idle:5.1%}  [{ph}]")
+            f"  idle={r.device_idle:5.1%}  [{ph}]"
+            + ("" if r.h2d_kib_per_step is None else f"  h2d={r.h2d_kib_per_step:.0f} KiB/step"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -200,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="GGUF whose tokenizer detokenizes "
                     "(default: the default SmolLM2 file)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--no_async", action="store_true",
+                    help="async_scheduling off: the serial loop, for an A/B")
     a = ap.parse_args(argv)
     from jaxserve.checkpoint.loader import load_tokenizer
 
@@ -209,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import os
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     results = [asdict(run_case(n, d or 0.0, seconds=a.seconds, real=a.real, tokenizer=tok,
+                               async_scheduling=not a.no_async,
                                log=lambda s: print(s, flush=True)))
                for d in dms for n in rows]
     print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)

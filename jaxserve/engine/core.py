@@ -28,77 +28,23 @@ import logging
 import time
 from typing import Any, Sequence
 
-from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from jaxserve.config import EngineConfig
+from jaxserve.engine.args import _eos_token_ids
 from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
 from jaxserve.engine.lora import EngineLoRA
 from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
 from jaxserve.engine.pause import Pauser, check_mode
 from jaxserve.engine.provenance import WeightProvenance
 from jaxserve.engine.sleep import Sleeper
-from jaxserve.lora import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.scheduler.request import RequestStatus
-from jaxserve.worker.runner import PromptLogprobs, RowError, Runner, SampledToken
-from jaxserve.sample.metadata import MAX_EOS_TOKEN_IDS
+from jaxserve.worker.runner import (DoneStep, PendingStep, PromptLogprobs, RowError, Runner,
+                                    SampledToken)
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-def make_engine_config(model: ModelConfig, **engine_args: Any) -> EngineConfig:
-    """Distribute flat keyword arguments (vLLM `EngineArgs` style) over the configs.
-
-    Each name must be a field of CacheConfig, SchedulerConfig or EngineConfig
-    (`dtype` goes to the ModelConfig, None keeps its dtype; `scheduling_policy`, vLLM's name, is
-    SchedulerConfig.policy: "fcfs" or "priority").
-
-    Raises:
-      ValueError: an unknown argument, or any field validation error.
-    """
-    if "scheduling_policy" in engine_args:
-        policy = engine_args.pop("scheduling_policy")
-        if engine_args.setdefault("policy", policy) != policy:
-            raise ValueError(f"scheduling_policy={policy!r} and policy="
-                             f"{engine_args['policy']!r} disagree: give one")
-    if engine_args.pop("enable_lora", False):  # vLLM's switch; LoRA is on with max_loras > 0
-        engine_args["max_loras"] = engine_args.get("max_loras") or 1
-    if "dtype" in engine_args:  # None keeps the model's (its loader's platform default)
-        dtype = engine_args.pop("dtype")
-        model = model if dtype is None else model.replace(dtype=dtype)
-    groups: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}, EngineConfig: {}}
-    for name, value in engine_args.items():
-        for cls, kw in groups.items():
-            if name in {f.name for f in dataclasses.fields(cls)} and name not in ("model", "cache",
-                                                                                   "scheduler"):
-                kw[name] = value
-                break
-        else:
-            raise ValueError(f"unknown engine argument {name}={value!r}")
-    sched = groups[SchedulerConfig]
-    sched.setdefault("max_model_len", min(2048, model.max_position_embeddings))
-    return EngineConfig(model=model, cache=CacheConfig(**groups[CacheConfig]),
-                        scheduler=SchedulerConfig(**sched), **groups[EngineConfig])
-
-
-def _eos_token_ids(config: EngineConfig, tokenizer: Any) -> tuple[int, ...]:
-    """The model's EOS ids plus the tokenizer's.
-
-    Raises:
-      ValueError: an id outside the vocabulary, or more than the sampler supports.
-    """
-    eos = set(config.model.eos_token_ids)
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    ids = tuple(sorted(eos))
-    V = config.model.vocab_size
-    if any(not 0 <= t < V for t in ids):
-        raise ValueError(f"eos_token_ids={ids} must lie in [0, vocab_size={V})")
-    if len(ids) > MAX_EOS_TOKEN_IDS:
-        raise ValueError(f"{len(ids)} EOS ids {ids}: the sampler supports at most "
-                         f"MAX_EOS_TOKEN_IDS={MAX_EOS_TOKEN_IDS}")
-    return ids
 
 
 class LLMEngine:
@@ -149,7 +95,11 @@ class LLMEngine:
         self.num_failed_steps = 0
         self.weight_version = 0  # +1 per successful update_params
         self._pending: list[RequestOutput] = []  # outputs of requests update_params failed
-        self.pauser = Pauser(self.scheduler, self.outputs, self._step)  # issue 28
+        self.async_scheduling = self.config.async_scheduling  # may be flipped between steps
+        # (plan, PendingStep) of the step dispatched and not yet fetched (async scheduling)
+        self._inflight: tuple[Any, PendingStep] | None = None
+        self.pauser = Pauser(self.scheduler, self.outputs,
+                             lambda: self._step(overlap=False))  # issue 28
         self.provenance = WeightProvenance()  # issue 28: token_weight_versions
         self.sleeper = Sleeper(self.scheduler, self.pauser, self.runner)  # issue 28: sleep
         self.lora = EngineLoRA(self)  # issue 27: adapters, slots, update_lora
@@ -169,7 +119,7 @@ class LLMEngine:
                     params: SamplingParams | None = None, *,
                     messages: Sequence[dict[str, Any]] | None = None, priority: int = 0,
                     arrival_time: float | None = None, logprob_start: int | None = None,
-                    lora_request: LoRARequest | None = None) -> list[int]:
+                    lora_request: Any = None) -> list[int]:
         """Queue a request; return its prompt token ids.
 
         A request with `structured_outputs` whose grammar is still compiling is held
@@ -270,48 +220,103 @@ class LLMEngine:
         pending, self._pending = self._pending, []
         if self._awaiting_grammar:
             pending += self._admit_compiled()
-        if self.pauser.paused or self.sleeper.is_sleeping:  # nothing is scheduled until
-            return self.provenance.fill(pending)  # resume_generation() / wake_up()
+        if self._inflight is None and (self.pauser.paused or self.sleeper.is_sleeping):
+            return self.provenance.fill(pending)  # nothing is scheduled until resume / wake_up
         return self.provenance.fill(pending + self._step())
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, overlap: bool | None = None) -> list[RequestOutput]:
+        """One iteration: plan and dispatch a step unless one is in flight, fetch its
+        tokens, apply them; with overlap (`async_scheduling`), plan and dispatch the next
+        step before this one's output processing, so the device runs it meanwhile."""
+        outs: list[RequestOutput] = []
+        if self._inflight is None and not self._dispatch(outs):
+            return outs
+        out, handle = self._inflight
+        self._inflight = None
+        try:
+            results = handle.result()
+        except Exception as e:  # one bad step fails its requests, never the engine
+            return outs + self._fail_step(out, e)
+        changed: list[str] = []
+        reqs = self.scheduler.requests
+        errors = {rid: r for rid, r in results.items() if isinstance(r, RowError)}
+        for rid, err in errors.items():
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+            changed += self.outputs.fail([rid], err.message)
+        # Rows whose request ended while the step ran (a stop string found in the step
+        # before's output processing, an abort) are dropped: the scheduler skips them too.
+        sampled = {rid: r for rid, r in results.items()
+                   if isinstance(r, SampledToken) and rid in reqs}
+        self.outputs.process_prompt_logprobs(
+            {rid: r.prompt if isinstance(r, SampledToken) else r for rid, r in results.items()
+             if rid in reqs and (isinstance(r, PromptLogprobs)
+                                 or getattr(r, "prompt", None) is not None)})
+        self.scheduler.update_from_output(out, {rid: t.token_id for rid, t in sampled.items()})
+        self.provenance.record(sampled, self.weight_version)
+        grammar = self.grammars is not None and self.grammars.num_compiled
+        if overlap is None:
+            overlap = self.async_scheduling
+        if (overlap and not self.pauser.paused and not self.sleeper.is_sleeping
+                and not (grammar and self._has_grammar_rows())):
+            self._dispatch(outs)  # step n+1 runs while step n's outputs are processed
+        progressed, fin = self.outputs.process_tokens(sampled, time.monotonic())
+        self._apply(fin)
+        changed += progressed
+        if grammar:
+            progressed, fin = self.outputs.advance_grammars(sampled)
+            self._apply(fin)
+            changed += progressed
+        return outs + self.outputs.collect(changed)
+
+    def _has_grammar_rows(self) -> bool:
+        """A running or waiting request has a grammar: its next mask needs this step's
+        token accepted first, so the next step is planned only after output processing."""
+        return any(r.grammar is not None for r in self.scheduler.requests.values())
+
+    def _dispatch(self, outs: list[RequestOutput]) -> bool:
+        """Plan a step and dispatch it to the runner (`self._inflight`); False when it has
+        no rows (then it only tells the runner what ended). A step that fails to dispatch
+        fails its requests, their outputs appended to `outs`."""
         out = self.scheduler.schedule(self.runner.token_cap)
         self.last_step_tokens = out.num_scheduled_tokens
         self.outputs.on_scheduled(out, time.monotonic())
         if not out.scheduled:  # still the runner's: it drops the finished and preempted
             self.runner.execute(out)
-            return []
+            return False
         try:
-            results = self.runner.execute(out)
-        except Exception as e:  # one bad step fails its requests, never the engine
-            logger.exception("engine step failed")
-            self.num_failed_steps += 1
+            dispatch = getattr(self.runner, "dispatch", None)
+            handle = dispatch(out) if dispatch is not None else DoneStep(self.runner.execute(out))
+        except Exception as e:
+            outs += self._fail_step(out, e)
+            return False
+        self._inflight = (out, handle)
+        return True
+
+    def _fail_step(self, out: Any, e: Exception) -> list[RequestOutput]:
+        logger.error("engine step failed", exc_info=e)
+        self.num_failed_steps += 1
+        try:
+            kv_lost = self.runner.reset()
+        except Exception:  # e.g. no memory for a new cache: assume every KV row is gone
+            logger.exception("runner reset failed")
+            kv_lost = True
+        ids = self.scheduler.fail_step(out, kv_lost=kv_lost)
+        return self.outputs.collect(self.outputs.fail(ids, f"{type(e).__name__}: {e}"))
+
+    def _drain(self) -> None:
+        """Drop the step in flight, if any (before a pause, a sleep or a weight swap): it
+        was dispatched ahead of the `step()` that returns its tokens, so the requests
+        stand where serial steps would have left them; the scheduler takes the plan
+        back and its rows rerun."""
+        if self._inflight is not None:
+            out, handle = self._inflight
+            self._inflight = None
             try:
-                kv_lost = self.runner.reset()
-            except Exception:  # e.g. no memory for a new cache: assume every KV row is gone
-                logger.exception("runner reset failed")
-                kv_lost = True
-            ids = self.scheduler.fail_step(out, kv_lost=kv_lost)
-            return self.outputs.collect(self.outputs.fail(ids, f"{type(e).__name__}: {e}"))
-        changed: list[str] = []
-        errors = {rid: r for rid, r in results.items() if isinstance(r, RowError)}
-        for rid, err in errors.items():
-            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
-            changed += self.outputs.fail([rid], err.message)
-        sampled = {rid: r for rid, r in results.items() if isinstance(r, SampledToken)}
-        self.outputs.process_prompt_logprobs(
-            {rid: r.prompt if isinstance(r, SampledToken) else r for rid, r in results.items()
-             if isinstance(r, PromptLogprobs) or getattr(r, "prompt", None) is not None})
-        self.scheduler.update_from_output(out, {rid: t.token_id for rid, t in sampled.items()})
-        self.provenance.record(sampled, self.weight_version)
-        progressed, fin = self.outputs.process_tokens(sampled, time.monotonic())
-        self._apply(fin)
-        changed += progressed
-        if self.grammars is not None and self.grammars.num_compiled:
-            progressed, fin = self.outputs.advance_grammars(sampled)
-            self._apply(fin)
-            changed += progressed
-        return self.outputs.collect(changed)
+                handle.result()  # the device finishes it; its tokens are not kept
+            except Exception as e:
+                self._pending += self._fail_step(out, e)
+                return
+            self.scheduler.unschedule(out)
 
     def _apply(self, fin: FinishRequests) -> None:
         """Finish what the output processor found finished, through the scheduler."""
@@ -344,6 +349,7 @@ class LLMEngine:
         already paused, the swap happens inside that pause and `in_flight` is unused.
         """
         check_mode(in_flight)
+        self._drain()
         swap = getattr(self.runner, "update_params", None)
         if swap is None:
             raise TypeError(f"{type(self.runner).__name__} has no update_params")
@@ -379,6 +385,7 @@ class LLMEngine:
         Raises:
           ValueError: an unknown mode, or already paused.
         """
+        self._drain()
         new = self.weight_version + 1 if _new_version is None else _new_version
         msg = (f"weights updated from version {self.weight_version} to {new} while the "
                f"request was in flight" if _new_version is not None else
@@ -409,6 +416,7 @@ class LLMEngine:
             discard_weights below level 2, or a caller's pause holding KV.
           TypeError: the runner cannot sleep.
         """
+        self._drain()
         self.sleeper.sleep(level, mode=mode, reject_new=reject_new,
                            discard_weights=discard_weights, pending=self._pending,
                            abort_message=f"the engine went to sleep (level {level}) at "
@@ -457,7 +465,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is live or a finished one's output awaits `step()`."""
-        return self.outputs.num_live > 0 or bool(self._pending)
+        return self.outputs.num_live > 0 or bool(self._pending)  # a step in flight has live rows
 
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges for metrics endpoints and benchmark summaries."""

@@ -129,9 +129,11 @@ class EngineLoRA:
         if in_flight not in UPDATE_MODES:
             raise ValueError(f"update_lora: in_flight={in_flight!r} must be one of "
                              f"{UPDATE_MODES}")
-        slots = self._on()
-        lid, version = slots.update(name, weights)
-        eng, key = self.engine, slots.cache_key(lid)
+        slots, eng = self._on(), self.engine
+        _, new = slots.check_update(name, weights)  # a bad tree raises here: nothing changed
+        getattr(eng, "_drain", lambda: None)()  # async scheduling: no step runs over the swap
+        lid, version = slots.update(name, new)
+        key = slots.cache_key(lid)
         failed = []
         for req in list(eng.scheduler.requests.values()):
             if req.lora_int_id != lid:

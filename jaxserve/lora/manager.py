@@ -124,15 +124,23 @@ class LoRASlots:
         Raises:
           ValueError: an unknown name, or a bad tree (see `load`).
         """
-        lid = self.id_of(name)
-        if lid is None:
-            raise ValueError(f"no LoRA adapter named {name!r} (registered: {self.names()})")
+        lid, new = self.check_update(name, weights)
         e = self._by_id[lid]
-        new = self.load(weights, scaling=e.adapter.scaling)
         if e.slot:
             self._write(e.slot, new)
         e.adapter, e.version, e.generation = new, e.version + 1, next(self._generations)
         return lid, e.version
+
+    def check_update(self, name: str, weights: Any) -> tuple[int, LoRAAdapter]:
+        """(lora_int_id, the checked new adapter) of an `update`; changes nothing.
+
+        Raises:
+          ValueError: an unknown name, or a bad tree (see `load`).
+        """
+        lid = self.id_of(name)
+        if lid is None:
+            raise ValueError(f"no LoRA adapter named {name!r} (registered: {self.names()})")
+        return lid, self.load(weights, scaling=self._by_id[lid].adapter.scaling)
 
     def id_of(self, name: str) -> int | None:
         return next((i for i, e in self._by_id.items() if e.request.lora_name == name), None)

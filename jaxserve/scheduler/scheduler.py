@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from jaxserve.config import CacheConfig, SchedulerConfig, max_blocks_per_seq
 from jaxserve.scheduler.request import Request, RequestStatus, resolve_max_tokens
@@ -34,6 +34,7 @@ from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.kv_cache_manager import KVCacheManager
 from jaxserve.scheduler.output import (NewRequestData, ScheduledRequest, SchedulerOutput,
                                        align_sampled, make_grammar_output)
+from jaxserve.scheduler.pause_control import PauseControl
 from jaxserve.scheduler.request_queue import FCFSQueue, PriorityQueue
 
 _RUNNING = RequestStatus.RUNNING
@@ -41,7 +42,7 @@ _RUNNING = RequestStatus.RUNNING
 MAX_STEP_RETRIES = 1
 
 
-class Scheduler:
+class Scheduler(PauseControl):
     """Continuous-batching scheduler over a paged, prefix-cached KV pool.
 
     Args:
@@ -452,31 +453,6 @@ class Scheduler:
             self._pending_out = None
         self.kv_cache_manager.reset_prefix_cache()
         return failed
-
-    def retract_running(self) -> list[str]:
-        """Preempt every running request by recompute now, KV freed, order kept at the
-        queue's front (SGLang's "retract"); returns their ids."""
-        ids = []
-        for req in reversed(list(self.running)):  # push_front: keep their order
-            self.running.remove(req)
-            self._preempt(req)
-            ids.append(req.request_id)
-        return ids[::-1]
-
-    def set_aside_waiting(self) -> Any:
-        """Take the waiting queue out (an empty one replaces it) until `restore_waiting`."""
-        held, self.waiting = self.waiting, type(self.waiting)()
-        return held
-
-    def restore_waiting(self, held: Any) -> None:
-        """Put a `set_aside_waiting` queue back: the preempted meanwhile first, the added
-        meanwhile last."""
-        now = [self.waiting.pop() for _ in range(len(self.waiting))]
-        for req in reversed([r for r in now if r.status == RequestStatus.PREEMPTED]):
-            held.push_front(req)
-        for req in (r for r in now if r.status != RequestStatus.PREEMPTED):
-            held.push(req)
-        self.waiting = held
 
     def reset_prefix_cache(self, *, stale_held: bool = False) -> int:
         """Forget the cached prefix blocks no request holds (`stale_held`: held ones too,

@@ -203,9 +203,15 @@ class FakeRunner:
           RuntimeError: a row's request matches `fail_step`.
           ValueError: the plan does not fit its bucket or block table (from build_batch).
         """
+        return self.dispatch(out).result()
+
+    def dispatch(self, out: SchedulerOutput) -> "_FakePending":
+        """`execute`'s host half (the layout, the scripted tokens) and the simulated
+        device step's dispatch; the handle's `result()` waits for the step's end
+        (`Runner.dispatch`). Raises as `execute`."""
         states, missing = self.requests.update(out)
         if not out.scheduled:
-            return {}
+            return _FakePending(self, out, {}, None)
         if self.asleep:  # as ModelRunner: nothing runs without its memory
             raise RuntimeError("FakeRunner.execute: the runner is asleep; wake_up() first")
         if self.build_batches:
@@ -229,17 +235,15 @@ class FakeRunner:
         if plan is not None:
             merge_scores(results, fake_scores(plan, vocab_size=self.vocab_size or 1000,
                                               max_logprobs=self.max_logprobs))
-        if self.step_delay:
-            self._device_step()
-        self._stats.record_step(out.token_bucket, out.seq_bucket)
-        self.requests.record(out.scheduled, results)
-        return results
+        end = None
+        if self.step_delay:  # FIFO: starts when dispatched or when the step before ends
+            start = max(time.perf_counter(), self._device_free_at)
+            self._device_free_at = end = start + self.step_delay
+            self.device_busy_s += self.step_delay
+        return _FakePending(self, out, results, end)
 
-    def _device_step(self) -> None:
-        """Dispatch one step to the simulated FIFO device and wait for its end."""
-        start = max(time.perf_counter(), self._device_free_at)
-        self._device_free_at = end = start + self.step_delay
-        self.device_busy_s += self.step_delay
+    def _wait_device(self, end: float) -> None:
+        """Block until the simulated device reaches `end` (perf_counter seconds), sleeping."""
         now = time.perf_counter()
         if end - now > 3e-4:  # sleep most of it; yield through the rest (timer slack)
             time.sleep(end - now - 2e-4)
@@ -352,6 +356,25 @@ class FakeRunner:
             self.step(cost)
         raise RuntimeError(f"not finished after max_steps={max_steps} steps: "
                            f"{s.num_running} running, {s.num_waiting} waiting")
+
+
+class _FakePending:
+    """`FakeRunner.dispatch`'s handle: `result()` waits for the simulated device step."""
+
+    __slots__ = ("runner", "out", "results", "end")
+
+    def __init__(self, runner: FakeRunner, out: SchedulerOutput, results: dict[str, RowResult],
+                 end: float | None):
+        self.runner, self.out, self.results, self.end = runner, out, results, end
+
+    def result(self) -> dict[str, RowResult]:
+        r, out = self.runner, self.out
+        if out.scheduled:
+            if self.end is not None:
+                r._wait_device(self.end)
+            r._stats.record_step(out.token_bucket, out.seq_bucket)
+            r.requests.record(out.scheduled, self.results)
+        return self.results
 
 
 def check_invariants(s: Scheduler) -> None:

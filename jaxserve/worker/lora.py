@@ -75,8 +75,9 @@ class LoRAPool:
         """i32[T_pad]: each token's slot (`jaxserve.worker.input_batch.token_lora_slots`)."""
         return token_lora_slots(out, rows, out.token_bucket)
 
-    def keep_adapters(self, new_params: dict) -> dict:
-        """New base weights (`update_params`) with the live pool leaves carried over.
+    def place(self, new_params: dict) -> dict:
+        """`update_params`'s placement: the new base weights placed as the runner places
+        them, with the live pool leaves carried over (`update_lora` swaps those).
 
         Raises:
           ValueError: the pool was discarded (`sleep(2, discard_weights=True)`): the
@@ -87,7 +88,7 @@ class LoRAPool:
             raise ValueError("update_params: the LoRA slots were discarded by sleep(level=2, "
                              "discard_weights=True); a LoRA engine sleeps with "
                              "discard_weights=False")
-        return self.merge(new_params, pool)
+        return self.merge(self.runner.tp.place_params(new_params), pool)
 
     @staticmethod
     def split(params: dict) -> Any:

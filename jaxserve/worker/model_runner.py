@@ -22,9 +22,8 @@ each is counted as built by XLA or loaded from the persistent compile cache
 a step whose shape has no program is a counted late compile, logged as the
 bug it is (or refused with `strict_compiles`).
 
-Start-up (issue 12): a "progressive" warm-up returns once the smallest bucket's programs
-are ready and builds the rest in the background, capping `token_cap` meanwhile; with an
-executable cache (`jaxserve.worker.executable_cache`) a restart deserializes each program.
+Start-up (issue 12): a "progressive" warm-up (ready at the smallest bucket, `token_cap`
+capped meanwhile); an executable cache (`jaxserve.worker.executable_cache`) for restarts.
 """
 
 from __future__ import annotations
@@ -52,8 +51,9 @@ from jaxserve.worker.kv_cache import describe_capacity, resolve_num_kv_blocks
 from jaxserve.worker.layer_stack import LayerStackProgram, embed_fn, final_fn, layers_fn
 from jaxserve.worker.lora import LoRAPool
 from jaxserve.worker.programs import StepBatch, _head_fn, _score_fn, _spec, _stack_fn
-from jaxserve.worker.runner import RowError, RowResult, RunnerStats, SampledToken
-from jaxserve.worker.scoring import merge_scores, scoring_plan, split_scores
+from jaxserve.worker.pending import ModelPending
+from jaxserve.worker.runner import RowError, RowResult, RunnerStats
+from jaxserve.worker.scoring import scoring_plan
 from jaxserve.worker.sleep import RunnerSleep
 from jaxserve.worker.warmup import Warmup
 
@@ -248,8 +248,7 @@ class ModelRunner:
         if isinstance(params, OwnedHostParams):  # a swap between steps: always a copy
             params = params.tree
         new = prepare_params(self.cfg, params, unroll_layers=self.config.unroll_layers,
-                             place=self.tp.place_params)
-        new = self.lora.keep_adapters(new) if self.lora else new  # `update_lora` swaps them
+                             place=self.lora.place if self.lora else self.tp.place_params)
         old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.params)
         new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
         if old_def != new_def:
@@ -263,10 +262,7 @@ class ModelRunner:
         self.params = jax.tree_util.tree_unflatten(old_def, placed)
         self.sleeper.params_sent()
 
-    def set_lora(self, slot: int, adapter: Any) -> None:
-        """Write an adapter (None: zeros) into a LoRA slot (`LoRAPool.write`); no compile.
-        ValueError: LoRA is off (max_loras = 0), a slot out of range, a rank too large."""
-        LoRAPool.write_to(self, slot, adapter)
+    set_lora = LoRAPool.write_to  # (slot, adapter or None): a LoRA slot written, no compile
 
     def sleep(self, level: int, *, discard_weights: bool = False) -> None:
         """Free the KV cache (level 1) and the weights (level 2); see
@@ -350,16 +346,21 @@ class ModelRunner:
           RuntimeError: with `strict_compiles`, a shape warm-up did not build.
           Any device error of the step (the caller then calls `reset()`).
         """
+        return self.dispatch(out).result()
+
+    def dispatch(self, out: SchedulerOutput) -> ModelPending:
+        """`execute`'s host half and its programs' launch (JAX dispatches asynchronously);
+        the handle's `result()` fetches the tokens (`Runner.dispatch`). Raises as `execute`."""
         states, missing = self.requests.update(out)  # first: drops what the plan ended
         if out.scheduled and self.sleeper.is_sleeping:
             raise RuntimeError("ModelRunner.execute: the runner is asleep; wake_up() first")
         if not out.scheduled:
-            return {}
+            return ModelPending(self, out, {}, None, None)  # nothing to compute
         host, errors = self._host_batch(out, states)
         results: dict[str, RowResult] = {rid: RowError(m) for rid, m in missing.items()}
         results.update(errors)
         if len(results) == len(out.scheduled):
-            return results  # nothing left to compute
+            return ModelPending(self, out, results, None, None)
         plan = scoring_plan(out, self.requests)
         if plan is not None and not self.score_enabled:
             for rid, *_ in plan.spans:
@@ -370,18 +371,9 @@ class ModelRunner:
             self.programs.get(("stack", out.token_bucket))  # a refusal here reaches no follower
             self.programs.get(("head", out.seq_bucket))
             self.step_listener(out.token_bucket, out.seq_bucket, host)
-        ids, lps, top_ids, top_lps, scored = self.run_host_batch(
-            host, out.token_bucket, out.seq_bucket,
-            targets=None if plan is None else plan.targets)
-        self._stats.record_step(out.token_bucket, out.seq_bucket)
-        for i, sr in enumerate(out.scheduled):
-            if sr.sample and not isinstance(results.get(sr.request_id), RowError):
-                results[sr.request_id] = SampledToken(int(ids[i]), float(lps[i]), top_ids[i],
-                                                      top_lps[i])
-        if plan is not None:
-            merge_scores(results, split_scores(plan, *scored))
-        self.requests.record(out.scheduled, results)
-        return results
+        launched = self.launch_host_batch(host, out.token_bucket, out.seq_bucket,
+                                          targets=None if plan is None else plan.targets)
+        return ModelPending(self, out, results, plan, launched)
 
     def run_host_batch(self, host: StepBatch, t_pad: int, s_pad: int, *,
                        targets: np.ndarray | None = None) -> tuple[Any, ...]:
@@ -391,6 +383,11 @@ class ModelRunner:
         on the hidden rows; `scored` is then its (target logprobs [T], top ids [T, k],
         top logprobs [T, k]), else (). Multi-host followers call it with the batch the
         leader broadcast (and never with targets: scoring is one-process only)."""
+        return self.fetch_step(self.launch_host_batch(host, t_pad, s_pad, targets=targets))
+
+    def launch_host_batch(self, host: StepBatch, t_pad: int, s_pad: int, *,
+                          targets: np.ndarray | None = None) -> tuple[Any, ...]:
+        """`run_host_batch` without the fetch: the step's device arrays, still computing."""
         stack = self.programs.get(("stack", t_pad))
         head = self.programs.get(("head", s_pad))
         score = self.programs.get(("score", t_pad)) if targets is not None else None
@@ -399,7 +396,10 @@ class ModelRunner:
                                             dataclasses.replace(dev, sampling=None))
         res = head(self.params, rows, dev.sampling)  # rows [S_max, E] never leave the device
         scored = () if score is None else score(self.params, hidden, self.tp.put_batch(targets))
-        return self.tp.fetch((res.token_ids, res.logprobs, res.top_ids, res.top_logprobs, scored))
+        return (res.token_ids, res.logprobs, res.top_ids, res.top_logprobs, scored)
+
+    def fetch_step(self, launched: tuple[Any, ...]) -> tuple[Any, ...]:
+        return self.tp.fetch(launched)  # waits for a launched step; its outputs as NumPy
 
     # -------------------------------------------------------- programs
     def padding_batch(self, t_pad: int, s_pad: int) -> StepBatch:

@@ -102,6 +102,27 @@ class RunnerStats:
         self.steps_by_shape[(t_pad, s_pad)] = self.steps_by_shape.get((t_pad, s_pad), 0) + 1
 
 
+class PendingStep(Protocol):
+    """A step dispatched to the device whose results are not fetched yet (`Runner.dispatch`)."""
+
+    def result(self) -> dict[str, RowResult]:
+        """Wait for the step and return what `Runner.execute` returns. Call once.
+
+        Raises: any failure of the whole step (as `Runner.execute`)."""
+
+
+class DoneStep:
+    """A `PendingStep` whose results are already known (a runner with no `dispatch`)."""
+
+    __slots__ = ("_results",)
+
+    def __init__(self, results: dict[str, RowResult]):
+        self._results = results
+
+    def result(self) -> dict[str, RowResult]:
+        return self._results
+
+
 class Runner(Protocol):
     """Executes the scheduler's plans; owns the device state (or a fake of it).
 
@@ -133,6 +154,18 @@ class Runner(Protocol):
           request_id -> RowError for every row whose own host work failed.
         Raises: any failure of the whole step (device error, bad plan); the
           caller then calls `reset()` and retries the step's rows once.
+        """
+
+    def dispatch(self, out: "SchedulerOutput") -> PendingStep:
+        """`execute` in two halves (vLLM's async scheduling; issue 24): lay out the plan
+        and launch its programs, returning before the device finishes; the handle's
+        `result()` then waits and returns what `execute` would. The engine plans and
+        dispatches the next step only after `result()` (the tokens are needed on the
+        host first), and overlaps the device step with its output processing.
+        Optional: the engine wraps `execute` in a `DoneStep` for a runner without it.
+
+        Raises: a failure of the host half (a bad plan); device failures surface in
+          `result()`.
         """
 
     def reset(self) -> bool:

@@ -403,7 +403,7 @@ def test_stop_string_completed_by_the_last_allowed_token_reports_stop():
 def test_engine_step_failure_is_retried_on_a_rebuilt_cache(monkeypatch):
     engine = tiny_engine()
     runner = engine.runner
-    real_execute = runner.execute
+    real_dispatch = runner.dispatch  # what the engine calls for a plan with rows
     calls = {"n": 0}
 
     def failing(out):
@@ -412,9 +412,9 @@ def test_engine_step_failure_is_retried_on_a_rebuilt_cache(monkeypatch):
             for a in jax.tree.leaves(runner.kv_cache)[:3]:
                 a.delete()
             raise RuntimeError("injected device failure")
-        return real_execute(out)
+        return real_dispatch(out)
 
-    monkeypatch.setattr(runner, "execute", failing)
+    monkeypatch.setattr(runner, "dispatch", failing)
     done = run_all(engine, [("x", P, greedy(8)), ("y", prompt_of(9), greedy(8))])
     # The one failure is retried (issue 13): both are recomputed on the rebuilt cache and
     # finish with the tokens of an undisturbed run.

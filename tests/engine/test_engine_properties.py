@@ -51,18 +51,25 @@ def _engine(num_kv_blocks: int, max_num_seqs: int, budget: int, fail_rows: bool,
 
     runner = FakeRunner.for_config(config, token_fn=counting_token(model.vocab_size, 0),
                                    fail_row=row_fails, fail_step=step_fails)
-    execute = runner.execute
+    execute, dispatch = runner.execute, runner.dispatch
 
-    def checked_execute(out):  # every plan the engine runs, before it runs
+    def check(out) -> None:  # every plan the engine runs, before it runs
         if not out.scheduled:  # a plan with no rows only tells the runner what ended
             assert out.num_scheduled_tokens == out.token_bucket == 0, out
-            return execute(out)
+            return
         assert all(len(sr.token_ids) >= 1 for sr in out.scheduled), out
         assert out.num_scheduled_tokens >= len(out.scheduled) >= 1, out
         runner.plans_checked += 1
+
+    def checked_execute(out):
+        check(out)
         return execute(out)
 
-    runner.execute, runner.plans_checked = checked_execute, 0
+    def checked_dispatch(out):
+        check(out)
+        return dispatch(out)
+
+    runner.execute, runner.dispatch, runner.plans_checked = checked_execute, checked_dispatch, 0
     return LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False), runner
 
 

@@ -108,10 +108,13 @@ def test_keep_mode_goes_on_with_its_kv(eng):
     outs = drain(eng)
     assert {rid: outs[rid].outputs[0].token_ids for rid in PROMPTS} == ref_a
     # the two halves by hand: K steps on A, then the runner's weights swapped under the
-    # running requests (no pause, no engine bookkeeping), the rest on B over A's KV
+    # running requests (no engine bookkeeping: the keep pause only drops the step that
+    # async scheduling dispatched ahead), the rest on B over A's KV
     eng.update_params(params(0))
     start(eng)
+    eng.pause_generation("keep")
     eng.runner.update_params(params(1))
+    eng.resume_generation()
     by_hand = {rid: o.outputs[0].token_ids for rid, o in drain(eng).items()}
     assert any(by_hand[rid][K:] != ref_a[rid][K:] for rid in PROMPTS)  # the swap shows
     # new weights under keep: exactly the hand-run tokens, switching at the boundary

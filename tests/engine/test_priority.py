@@ -33,8 +33,10 @@ from jaxserve.validation import ValidationError
 
 
 def engine(policy: str, **kw) -> LLMEngine:
+    # Steps planned at the step() that returns them, so the per-step running sets below
+    # are those of the scheduler's policy (async scheduling plans one call ahead).
     args = dict(max_model_len=64, block_size=4, num_kv_blocks=9, max_num_seqs=2,
-                max_num_batched_tokens=32, enable_prefix_caching=False)
+                max_num_batched_tokens=32, enable_prefix_caching=False, async_scheduling=False)
     config = make_engine_config(ModelConfig.tiny(), scheduling_policy=policy, **dict(args, **kw))
     runner = FakeRunner.for_config(config, token_fn=counting_token(67, config.max_logprobs))
     return LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner)

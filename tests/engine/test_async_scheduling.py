@@ -1,0 +1,288 @@
+"""Async scheduling (issue 24): the same workloads with `async_scheduling` on and off give
+exactly the same outputs.
+
+With it on, `step()` plans and dispatches step n+1 as soon as step n's tokens are back,
+then processes step n's outputs while n+1 runs; a stop string found then ends its request
+after its next row was dispatched (that row is dropped), and a pause, a sleep or a weight
+swap drops the step in flight (`Scheduler.unschedule`). The reference is the serial loop
+(plan, run, fetch, process, one after another), run on the same engine class with the
+flag off.
+
+Over the FakeRunner (hand-checkable tokens keyed on request and position): random
+interleavings of add / abort / step with stop strings, stop ids, min_tokens, n>1,
+seeds, prefix caching and rows that fail alone; a whole step that fails; structured
+output. Over the real tiny model: greedy and seeded sampling with stop strings, n=2 and
+logprobs; a weight update between steps under "keep" and "abort".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import tiny_engine, tiny_params, tiny_tokenizer
+from jaxserve.config import ModelConfig
+from jaxserve.engine import LLMEngine, make_engine_config
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.worker.fake_runner import FakeRunner, counting_token, default_token
+
+PROMPTS = ["abcd", "abcdefgh", "xyz", "abcdabcd", "hello world", "q"]
+
+
+def _h(*key) -> int:
+    return zlib.crc32(":".join(map(str, key)).encode())
+
+
+def fake_engine(on: bool, *, pool: int = 40, seqs: int = 4, budget: int = 16,
+                prefix: bool = True, fail_rows: bool = False, fail_steps: bool = False,
+                step_delay: float = 0.0) -> LLMEngine:
+    model = ModelConfig.tiny()
+    config = make_engine_config(model, max_model_len=32, block_size=4, num_kv_blocks=pool,
+                                max_num_seqs=seqs, max_num_batched_tokens=budget,
+                                enable_prefix_caching=prefix, async_scheduling=on)
+
+    def row_fails(req) -> bool:  # keyed on the request's own progress: batch-independent
+        return fail_rows and _h(req.request_id, req.num_output_tokens) % 17 == 0
+
+    def step_fails(req) -> bool:
+        return fail_steps and _h(req.request_id, req.num_computed_tokens) % 29 == 0
+
+    runner = FakeRunner.for_config(config, token_fn=counting_token(model.vocab_size, 2),
+                                   fail_row=row_fails, fail_step=step_fails,
+                                   step_delay=step_delay)
+    return LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False)
+
+
+def final(o) -> list[tuple]:
+    return [(c.index, list(c.token_ids), c.text, c.finish_reason, c.stop_reason, c.error,
+             round(c.cumulative_logprob, 6), c.logprobs and list(c.logprobs)) for c in o.outputs]
+
+
+def run_ops(eng: LLMEngine, ops) -> tuple[dict, dict]:
+    """Apply ops; returns (request_id -> final outputs, aborted id -> token ids seen)."""
+    added, finals, seen, aborted = [], {}, {}, {}
+
+    def take(outs):
+        for o in outs:
+            seen[o.request_id] = [list(c.token_ids) for c in o.outputs]
+            if o.finished:
+                assert o.request_id not in finals, o.request_id
+                finals[o.request_id] = final(o)
+
+    for op in ops:
+        if op[0] == "add":
+            rid = f"r{len(added)}"
+            try:
+                eng.add_request(rid, op[1], op[2])
+            except ValueError as e:
+                assert "KV blocks" in str(e), e
+                continue
+            added.append(rid)
+        elif op[0] == "abort" and added:
+            rid = added[op[1] % len(added)]
+            if rid not in finals and eng.abort(rid):
+                aborted[rid] = seen.get(rid, [])
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                take(eng.step())
+    for _ in range(3000):
+        if not eng.has_unfinished_requests():
+            break
+        take(eng.step())
+    assert not eng.has_unfinished_requests()
+    assert set(finals) == set(added) - set(aborted)
+    kv = eng.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks  # nothing leaked, on or off
+    return finals, aborted
+
+
+def _prefix_of(a: list, b: list) -> bool:
+    return len(a) <= len(b) and b[:len(a)] == a
+
+
+_params = st.builds(
+    lambda n, mt, greedy, seed, stop, stop_id, min_t, lp: SamplingParams(
+        n=n, max_tokens=mt, temperature=0.0 if greedy else 1.0, seed=seed,
+        stop=(stop,) if stop else (), stop_token_ids=(stop_id,) if stop_id else (),
+        min_tokens=min(min_t, mt), logprobs=lp),
+    n=st.integers(1, 3), mt=st.integers(1, 14), greedy=st.booleans(), seed=st.integers(0, 99),
+    stop=st.sampled_from([None, None, "g", "hi", "D", "ef"]),
+    stop_id=st.sampled_from([None, None, 9, 2]), min_t=st.integers(0, 3),
+    lp=st.sampled_from([None, 0, 2]))
+_op = st.one_of(
+    st.tuples(st.just("add"), st.sampled_from(PROMPTS), _params),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+)
+
+
+@settings(max_examples=int(os.environ.get("JAXSERVE_PROPERTY_EXAMPLES", "40")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_op, min_size=1, max_size=30), pool=st.integers(12, 40),
+       seqs=st.sampled_from([1, 2, 4]), budget=st.sampled_from([8, 16]),
+       fail_rows=st.booleans(), prefix=st.booleans())
+def test_random_interleavings_give_the_same_outputs_on_and_off(ops, pool, seqs, budget,
+                                                                 fail_rows, prefix):
+    kw = dict(pool=pool, seqs=seqs, budget=budget, prefix=prefix, fail_rows=fail_rows)
+    f_on, ab_on = run_ops(fake_engine(True, **kw), ops)
+    f_off, ab_off = run_ops(fake_engine(False, **kw), ops)
+    assert f_on == f_off
+    # An abort lands between the same two step() calls; a request added meanwhile starts
+    # one step later with async scheduling on (the next step was already dispatched), so
+    # what it had shown differs by at most a few tokens: both are prefixes of one stream.
+    assert ab_on.keys() == ab_off.keys()
+    for rid in ab_on:
+        for a, b in zip(ab_on[rid], ab_off[rid]):
+            assert _prefix_of(a, b) or _prefix_of(b, a), (rid, a, b)
+
+
+def test_whole_step_failures_and_stop_strings_same_on_and_off():
+    """Steps that fail as a whole (retried once by recompute, then "error"), rows that
+    fail alone, stop strings that end requests while their next row is in flight."""
+    sp = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, stop=("hi", "D")[s % 2:][:1],
+                         n=1 + s % 2) for s in range(6)]
+    ops = [("add", PROMPTS[i % len(PROMPTS)], sp[i]) for i in range(6)]
+    f_on, _ = run_ops(fake_engine(True, fail_rows=True, fail_steps=True, seqs=4), ops)
+    f_off, _ = run_ops(fake_engine(False, fail_rows=True, fail_steps=True, seqs=4), ops)
+    assert f_on == f_off
+    reasons = {c[3] for outs in f_on.values() for c in outs}
+    assert "error" in reasons and "length" in reasons, reasons  # both kinds of failure ran
+
+
+def test_next_step_is_dispatched_before_this_steps_outputs_are_processed():
+    """The order of the host's calls (not a timing): with async scheduling the runner
+    gets step n+1 before step n's tokens reach the output processor, so the device runs
+    it meanwhile; serial, each step's outputs are processed before the next is planned.
+    With a simulated device the step's wait shows in `device_wait_s` either way."""
+    calls = {}
+    for on in (True, False):
+        eng = fake_engine(on, seqs=4, budget=16, step_delay=0.001)
+        log = calls[on] = []
+        dispatch, process = eng.runner.dispatch, eng.outputs.process_tokens
+
+        def logged_dispatch(out, dispatch=dispatch, log=log):
+            log.append(("dispatch", out.step))
+            return dispatch(out)
+
+        def logged_process(sampled, now, process=process, log=log):
+            log.append(("process", len(sampled)))
+            return process(sampled, now)
+
+        eng.runner.dispatch, eng.outputs.process_tokens = logged_dispatch, logged_process
+        ops = [("add", p, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
+               for p in PROMPTS[:4]]
+        run_ops(eng, ops)
+        assert eng.runner.device_busy_s > 0 and eng.runner.device_wait_s > 0
+    kinds = {on: [k for k, _ in log] for on, log in calls.items()}
+    # serial: dispatch, process, dispatch, process, ...
+    assert kinds[False][:4] == ["dispatch", "process", "dispatch", "process"], kinds[False]
+    # async: the second dispatch comes before the first processing
+    assert kinds[True][:3] == ["dispatch", "dispatch", "process"], kinds[True]
+    assert kinds[True].count("process") == kinds[False].count("process")
+
+
+def test_structured_output_steps_same_on_and_off():
+    """Grammar rows run without overlap (their next mask needs this token accepted);
+    the plain rows beside them and the grammar outputs match the serial loop's."""
+    from test_structured_output import MODEL_VOCAB, SCHEMAS, ascii_tokenizer
+
+    outs = {}
+    for on in (True, False):
+        model = ModelConfig.tiny(vocab_size=MODEL_VOCAB, max_position_embeddings=512)
+        config = make_engine_config(model, max_model_len=128, block_size=4, num_kv_blocks=200,
+                                    max_num_seqs=4, max_num_batched_tokens=32,
+                                    async_scheduling=on)
+        runner = FakeRunner.for_config(
+            config, token_fn=lambda r, pos: default_token(r.request_id, pos, vocab_size=98))
+        eng = LLMEngine(config, tokenizer=ascii_tokenizer(), runner=runner)
+        ops = [("add", "go", SamplingParams(max_tokens=60, structured_outputs={"json": SCHEMAS[0]})),
+               ("add", "hey", SamplingParams(max_tokens=20, stop=("k",)))]
+        ops += [("step", 3), ("add", "more", SamplingParams(max_tokens=10))]
+        outs[on], _ = run_ops(eng, ops)
+    assert outs[True] == outs[False]
+    assert outs[True]["r0"][0][3] == "stop"  # the grammar completed
+
+
+def assert_same(a: dict, b: dict) -> None:
+    """Tokens, text, finish and stop reasons, errors exactly; logprobs to 1e-5: a stop
+    string's dropped row can change a step's bucket shape, and XLA:CPU's float sums
+    with it (the sampled tokens are batch-invariant, the logprobs' last bits are not)."""
+    assert a.keys() == b.keys()
+    for rid in a:
+        for x, y in zip(a[rid], b[rid], strict=True):
+            if isinstance(x, list):  # token_weight_versions
+                assert x == y, (rid, x, y)
+                continue
+            assert x[:6] == y[:6] and x[8:] == y[8:], (rid, x, y)
+            assert abs(x[6] - y[6]) < 1e-4, (rid, x[6], y[6])
+            if x[7] is not None:
+                for ex, ey in zip(x[7], y[7], strict=True):
+                    assert ex.keys() == ey.keys(), (rid, ex, ey)
+                    np.testing.assert_allclose([ex[k] for k in ex], [ey[k] for k in ex],
+                                               atol=1e-5)
+
+
+def _tiny_workload():
+    return [("g", "the quick brown", SamplingParams(temperature=0.0, max_tokens=20)),
+            ("s", "hello there", SamplingParams(temperature=0.9, seed=7, max_tokens=24,
+                                                n=2, logprobs=2)),
+            ("t", "abc", SamplingParams(temperature=0.0, max_tokens=30, stop=("e",))),
+            ("u", "zz top", SamplingParams(temperature=1.0, seed=3, max_tokens=16,
+                                           stop=("a", "o")))]
+
+
+def test_real_tiny_model_same_tokens_logprobs_and_text_on_and_off():
+    eng = tiny_engine()
+    res = {}
+    try:
+        for on in (True, False):
+            eng.async_scheduling = on
+            res[on], _ = run_ops(eng, [("add", p, sp) for _, p, sp in _tiny_workload()])
+    finally:
+        eng.async_scheduling = eng.config.async_scheduling
+    assert_same(res[True], res[False])
+    assert any(c[3] == "stop" for outs in res[True].values() for c in outs)  # a stop string hit
+    assert eng.get_stats()["num_compiles_after_warmup"] == 0
+
+
+def test_weight_update_between_steps_same_on_and_off():
+    """update_params after K step() calls: under "keep" the requests go on over their KV
+    on the new weights from the same token; under "abort" they fail with the same tokens.
+    The step async scheduling had dispatched ahead is dropped, not kept."""
+    eng = tiny_engine()
+    _, p0 = tiny_params()
+    _, p1 = tiny_params(seed=1)
+    res = {}
+    try:
+        for mode in ("keep", "abort"):
+            for on in (True, False):
+                eng.async_scheduling = on
+                for rid, prompt, sp in _tiny_workload():
+                    eng.add_request(rid, prompt, sp)
+                seen = {}
+                for _ in range(4):
+                    for o in eng.step():
+                        seen[o.request_id] = o
+                eng.update_params(p1, in_flight=mode)
+                for _ in range(3000):
+                    if not eng.has_unfinished_requests():
+                        break
+                    for o in eng.step():
+                        seen[o.request_id] = o
+                v0 = eng.weight_version - 1  # the version the requests started on
+                res[mode, on] = {  # the versions named in the errors differ by run
+                    rid: [c[:5] + (c[5] and re.sub(r"\d+", "N", c[5]),) + c[6:] for c in final(o)]
+                    + [[v - v0 for v in o.outputs[0].token_weight_versions]]
+                    for rid, o in seen.items()}
+                eng.update_params(p0)
+    finally:
+        eng.async_scheduling = eng.config.async_scheduling
+    for mode in ("keep", "abort"):
+        assert_same(res[mode, True], res[mode, False])
+    assert any(c[3] == "error" for outs in res["abort", True].values() for c in outs[:-1])
+    assert {v for outs in res["keep", True].values() for v in outs[-1]} == {0, 1}  # both weights
