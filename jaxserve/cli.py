@@ -88,7 +88,7 @@ flags.DEFINE_enum("warmup", "auto", ["auto", "full", "progressive"],
 # ---- compile (deviceless, for a GPU that is not here: jaxserve/gpu/)
 flags.DEFINE_string("target", None, "compile: the GPU to compile for (h200, h100, a100).")
 flags.DEFINE_string("model_config", None, "compile: a model preset (llama3-8b, smollm2-135m, "
-                    "tiny-d64) or an HF config.json, compiled from its shapes alone "
+                    "gemma3-270m, tiny-d64) or an HF config.json, compiled from its shapes alone "
                     "(no weights); default: --model's config.")
 flags.DEFINE_string("json", None, "compile: also write the report here as JSON.")
 # ---- generate

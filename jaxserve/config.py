@@ -1,7 +1,7 @@
 """Frozen, validated configuration dataclasses.
 
 `ModelConfig` describes a Llama-family architecture (Llama 2 / Llama 3 /
-SmolLM, Mistral, Qwen2/Qwen2.5, Qwen3: `HF_FAMILIES`); `CacheConfig` the paged KV pool; `SchedulerConfig` the token budget
+SmolLM, Mistral, Qwen2/Qwen2.5, Qwen3, Gemma 3 text: `HF_FAMILIES`); `CacheConfig` the paged KV pool; `SchedulerConfig` the token budget
 and bucket choice; `EngineConfig` bundles them. Every field is validated on
 construction and a bad value raises `ValueError` naming the field and the
 limit it broke. No module here imports jax, so the scheduler can use them.
@@ -71,23 +71,48 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, bool]]] = {
     "mistral": ("MistralForCausalLM", {}),
     "qwen2": ("Qwen2ForCausalLM", {"attention_bias": True}),
     "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True}),
+    "gemma3_text": ("Gemma3ForCausalLM", {"qk_norm": True, "sandwich_norms": True,
+                                          "scale_embeddings": True}),
 }
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` values
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # transformers' Gemma3TextConfig default: 5 local, 1 global
+
+
+def hf_layer_types(d: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) of an HF config dict, as transformers reads them.
+
+    Mistral: every layer slides when `sliding_window` is not null. Qwen2/Qwen3: only
+    with `use_sliding_window`, on the layers `layer_types` marks "sliding_attention"
+    (when absent: layers >= `max_window_layers`). Gemma 3: `layer_types`, or every
+    layer whose (index + 1) is not a multiple of `sliding_window_pattern` (default 6).
+    (None, None) when no layer slides."""
+    model_type, window, types = d.get("model_type", "llama"), d.get("sliding_window"), \
+        d.get("layer_types")
+    L = int(d["num_hidden_layers"])
+    if window is None or model_type not in ("mistral", "qwen2", "qwen3", "gemma3_text") or (
+            model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window")):
+        return None, None
+    if model_type in ("qwen2", "qwen3"):
+        types = types or ["sliding_attention" if i >= int(d.get("max_window_layers", 0))
+                          else "full_attention" for i in range(L)]
+    elif model_type == "gemma3_text":
+        pattern = int(d.get("sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN))
+        types = types or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                          for i in range(L)]
+    if types is not None and "sliding_attention" not in types:
+        return None, None
+    return int(window), (tuple(types) if types is not None else None)
 
 
 def hf_family_switches(d: dict[str, Any]) -> dict[str, bool]:
     """The `ModelConfig` switches of an HF config dict, after checking it is supported.
 
-    The sliding-window check is keyed on the window being in use, not on the
-    field being present (every Qwen2 config carries `sliding_window`), following
-    transformers: Qwen2/Qwen3 use it only with `use_sliding_window` true, and then
-    on the layers `layer_types` marks "sliding_attention" (when absent: layers >=
-    `max_window_layers`); Mistral uses it whenever `sliding_window` is not null.
-    A window no shorter than max_position_embeddings never masks anything and is
-    accepted.
+    The sliding window, per layer, is read by `hf_layer_types`.
 
     Raises:
-      ValueError: unknown model_type/architecture, a sliding window in use,
-        o_proj/MLP biases (Llama/Qwen3 `attention_bias`, `mlp_bias`).
+      ValueError: unknown model_type/architecture, o_proj/MLP biases (Llama/Qwen3
+        `attention_bias`, `mlp_bias`), attention-logit soft-capping.
     """
     model_type = d.get("model_type", "llama")
     if model_type not in HF_FAMILIES:
@@ -98,20 +123,10 @@ def hf_family_switches(d: dict[str, Any]) -> dict[str, bool]:
     if arch not in archs:
         raise ValueError(f"unsupported architecture: model_type={model_type!r}, "
                          f"architectures={archs!r} (expected {arch})")
-    window = d.get("sliding_window")
-    if model_type == "mistral":
-        in_use = window is not None
-    elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window") and window is not None:
-        types = d.get("layer_types")
-        in_use = ("sliding_attention" in types if types else
-                  int(d.get("max_window_layers", 0)) < int(d["num_hidden_layers"]))
-    else:
-        in_use = False
-    if in_use and int(window) < int(d.get("max_position_embeddings", 2048)):
-        raise ValueError(
-            f"{model_type} config uses sliding-window attention (sliding_window={window!r}, "
-            f"use_sliding_window={d.get('use_sliding_window')!r}, max_window_layers="
-            f"{d.get('max_window_layers')!r}): not supported by jaxserve's attention backends")
+    if d.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"{model_type} config has attn_logit_softcapping="
+                         f"{d['attn_logit_softcapping']!r}: attention-logit soft-capping is not "
+                         "supported by jaxserve's attention kernels (Gemma 2)")
     if model_type != "qwen2" and d.get("attention_bias"):
         raise ValueError(f"{model_type} config has attention_bias=true (q/k/v/o biases): "
                          "not supported (only Qwen2's q/k/v biases)")
@@ -124,14 +139,17 @@ def hf_family_switches(d: dict[str, Any]) -> dict[str, bool]:
 class ModelConfig:
     """Architecture of a Llama-family decoder (HF `LlamaConfig` field names).
 
-    One decoder serves Llama 2/3, SmolLM, Mistral, Qwen2/Qwen2.5 and Qwen3; the
-    families differ only in these switches:
+    One decoder serves Llama 2/3, SmolLM, Mistral, Qwen2/Qwen2.5, Qwen3 (and Gemma 3's
+    block, below); the families differ only in these switches:
       attention_bias: q/k/v projections carry biases (Qwen2; the o projection never does).
       qk_norm: per-head RMSNorm over head_dim on q and k, before RoPE (Qwen3).
       head_dim: explicit, may differ from hidden_size / num_attention_heads (Qwen3, Mistral).
-    Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not
-    implemented in either attention backend; `from_hf_dict` rejects a config that
-    uses one.
+      sliding_window / layer_types: a "sliding_attention" layer's query sees its last
+        `sliding_window` keys, itself included (transformers' `kv_idx > q_idx - window`);
+        layer_types None with a window: every layer (Mistral).
+    Gemma 3 (`jaxserve.model.gemma3`, Team Gemma 2025) adds the fields after
+    layer_types; its (1 + w) RMSNorm weights are stored as 1 + w (llama.cpp's GGUF
+    holds them so), so the forward's RMSNorm is the Llama one.
 
     Shape letters used across the code: V=vocab_size, E=hidden_size,
     F=intermediate_size, L=num_hidden_layers, H=num_attention_heads,
@@ -156,6 +174,14 @@ class ModelConfig:
     qk_norm: bool = False  # per-head q/k RMSNorm before RoPE (Qwen3)
     # compute and parameter dtype: "float32" | "bfloat16"; None: `platform_dtype()`
     dtype: str | None = None
+    sliding_window: int | None = None  # keys a local layer's query sees (itself included)
+    layer_types: tuple[str, ...] | None = None  # per layer, LAYER_TYPES; None: all sliding
+    sandwich_norms: bool = False  # Gemma 2/3: post-attention and pre-/post-MLP norms
+    scale_embeddings: bool = False  # Gemma: embeddings x sqrt(hidden_size)
+    hidden_act: str = "silu"  # ACTIVATIONS: the gate's activation
+    rope_local_base_freq: float | None = None  # Gemma 3: RoPE base of the sliding layers
+    query_pre_attn_scalar: float | None = None  # scores x its ** -0.5 (None: head_dim)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self):
         if self.dtype is None:
@@ -173,10 +199,42 @@ class ModelConfig:
         _require(self.dtype in _DTYPES, f"ModelConfig.dtype={self.dtype!r} must be one of {_DTYPES}")
         _require(all(0 <= t < self.vocab_size for t in self.eos_token_ids),
                  f"ModelConfig.eos_token_ids={self.eos_token_ids} must lie in [0, {self.vocab_size})")
+        w, types = self.sliding_window, self.layer_types
+        _require(w is None or (isinstance(w, int) and w >= 1),
+                 f"ModelConfig.sliding_window={w!r} must be None or an int >= 1")
+        if types is not None:
+            object.__setattr__(self, "layer_types", types := tuple(types))
+            _require(len(types) == self.num_hidden_layers and set(types) <= set(LAYER_TYPES)
+                     and (w is not None or "sliding_attention" not in types),
+                     f"ModelConfig.layer_types={types!r} must hold one of {LAYER_TYPES} per "
+                     f"layer ({self.num_hidden_layers}), sliding ones only with a sliding_window")
+        _require(self.hidden_act in ACTIVATIONS,
+                 f"ModelConfig.hidden_act={self.hidden_act!r} must be one of {ACTIVATIONS}")
+        for name in ("rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping"):
+            _require(getattr(self, name) is None or getattr(self, name) > 0,
+                     f"ModelConfig.{name}={getattr(self, name)!r} must be None or > 0")
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: the sliding window (keys a query sees), or None for a global layer."""
+        if self.sliding_window is None:
+            return (None,) * self.num_hidden_layers
+        types = self.layer_types or ("sliding_attention",) * self.num_hidden_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return any(w is not None for w in self.layer_windows)
+
+    @property
+    def attn_scale(self) -> float:
+        """Softmax scale: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def replace(self, **kw: Any) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -190,13 +248,29 @@ class ModelConfig:
             feature the family's switches cannot express, or an unsupported
             rope_scaling type.
         """
+        if d.get("model_type") == "gemma3" and isinstance(d.get("text_config"), dict):
+            # Gemma3ForConditionalGeneration: the text model's config is nested
+            d = {**d["text_config"], "model_type": "gemma3_text",
+                 "architectures": ["Gemma3ForCausalLM"]}
         switches = hf_family_switches(d)
+        window, layer_types = hf_layer_types(d)
         h = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // h
         # transformers 5 moved rope settings to `rope_parameters`.
         rp = d.get("rope_parameters") or {}
+        rp, local_rp = ((rp["full_attention"], rp.get("sliding_attention") or {})  # per type
+                        if "full_attention" in rp else (rp, {}))  # (transformers 5 Gemma 3)
         rs = d.get("rope_scaling") or (rp if rp.get("rope_type") not in (None, "default") else None)
         theta = d.get("rope_theta", rp.get("rope_theta", 10000.0))
+        gemma = {}
+        if d.get("model_type") == "gemma3_text":
+            gemma = dict(rope_local_base_freq=float(d.get("rope_local_base_freq", local_rp.get(
+                "rope_theta", 1e4))), query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+                hidden_act=d.get("hidden_activation") or d.get("hidden_act", "gelu_pytorch_tanh"),
+                final_logit_softcapping=d.get("final_logit_softcapping"))
+        elif d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={d.get('hidden_act')!r} is not supported for "
+                             f"model_type={d.get('model_type')!r} (only 'silu')")
         scaling = None
         if rs:
             rtype = rs.get("rope_type", rs.get("type"))
@@ -215,7 +289,8 @@ class ModelConfig:
             head_dim=head_dim, max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             rope_scaling=scaling, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype, **switches)
+            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype,
+            sliding_window=window, layer_types=layer_types, **gemma, **switches)
 
     @classmethod
     def tiny(cls, **kw: Any) -> "ModelConfig":
@@ -237,6 +312,20 @@ class ModelConfig:
                     eos_token_ids=(2,))
         base.update(kw)
         return cls(**base)
+
+    @classmethod
+    def gemma3_270m(cls, **kw: Any) -> "ModelConfig":
+        """Gemma 3 270M (google/gemma-3-270m's config.json): 18 layers, 5 local (window 512)
+        to 1 global, head_dim 256, a 262,144-token vocabulary; the Gemma test model."""
+        base = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                    num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                    head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                    rope_theta=1e6, tie_word_embeddings=True, bos_token_id=2,
+                    eos_token_ids=(1, 106), qk_norm=True, sliding_window=512,
+                    layer_types=tuple(LAYER_TYPES[(i + 1) % 6 > 0] for i in range(18)),
+                    sandwich_norms=True, scale_embeddings=True, hidden_act="gelu_pytorch_tanh",
+                    rope_local_base_freq=1e4, query_pre_attn_scalar=256.0)
+        return cls(**{**base, **kw})
 
     @classmethod
     def llama3_8b(cls, **kw: Any) -> "ModelConfig":

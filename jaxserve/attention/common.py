@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.attention.kernels.tiling import NO_WINDOW, window_scalar  # noqa: F401 - re-exported
+
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["slot_mapping", "query_start_loc", "seq_lens", "block_table",
@@ -55,9 +57,22 @@ class AttentionBackend(Protocol[MdT]):
         ...
 
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: MdT, *,
-                  layer: jax.Array | None, sm_scale: float) -> jax.Array:
-        """Causal ragged paged attention of q [T, H, D]; [T, H, D] in q.dtype, padding rows 0."""
+                  layer: jax.Array | None, sm_scale: float,
+                  sliding_window: jax.Array | int | None = None) -> jax.Array:
+        """Causal ragged paged attention of q [T, H, D]; [T, H, D] in q.dtype, padding rows 0.
+
+        `sliding_window` (data: an i32 scalar, traced or not; None = no window): a query
+        at position p sees only keys at positions > p - sliding_window (Mistral's and
+        Gemma's local attention, transformers' `kv_idx > q_idx - sliding_window`); KV
+        pages wholly before that are not read.
+        """
         ...
+
+
+def sliding_window_start(pos0: jax.Array, window: jax.Array) -> jax.Array:
+    """i32: the first key position any query at or after position pos0 sees under the
+    window (pos0 - window + 1, at least 0); KV chunks wholly before it are skipped."""
+    return jnp.maximum(pos0 - window + 1, 0)
 
 
 def host_common(common: CommonAttentionMetadata, block_size: int) -> CommonAttentionMetadata:

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.attention.kernels.tiling import window_scalar
+
 log = logging.getLogger(__name__)
 
 TARGET = "jaxserve_paged_decode_f32"
@@ -109,7 +111,7 @@ def unavailable_reason() -> str | None:
 
 
 def paged_decode(q, kv_len, pages, k_cache, v_cache, layer, *, sm_scale: float,
-                 chunk_pages: int):
+                 chunk_pages: int, window=None):
     """Decode attention of one query per slot against its KV pages, read in place.
 
     Args:
@@ -120,6 +122,8 @@ def paged_decode(q, kv_len, pages, k_cache, v_cache, layer, *, sm_scale: float,
       layer: i32 scalar, the layer to read.
       sm_scale: softmax scale.
       chunk_pages: pages per (slot, chunk) task of the split over both cores.
+      window: i32 scalar (data) or None: a slot sees only its last `window` keys
+        (sliding-window attention; pages wholly before them are never read).
 
     Returns:
       f32[S, K, G, D], softmax(q k^T * sm_scale) v over each slot's first kv_len keys.
@@ -136,5 +140,6 @@ def paged_decode(q, kv_len, pages, k_cache, v_cache, layer, *, sm_scale: float,
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(
         q.astype(jnp.float32), kv_len.astype(jnp.int32), pages.astype(jnp.int32), k_cache,
-        v_cache, jnp.asarray(layer, jnp.int32).reshape(()), sm_scale=np.float32(sm_scale),
+        v_cache, jnp.asarray(layer, jnp.int32).reshape(()), window_scalar(window),
+        sm_scale=np.float32(sm_scale),
         chunk_pages=int(chunk_pages))

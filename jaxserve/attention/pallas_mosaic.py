@@ -120,8 +120,10 @@ class PallasMosaicBackend:
     # in place on the donated / scan-carried cache (kernel module docstring).
     write_kv = XlaBackend.write_kv
 
-    def attention(self, q, k_cache, v_cache, md: MosaicMetadata, *, layer, sm_scale: float):
+    def attention(self, q, k_cache, v_cache, md: MosaicMetadata, *, layer, sm_scale: float,
+                  sliding_window=None):
         """See `AttentionBackend.attention`. Raises ValueError when q does not fit the cache."""
         return rpm.ragged_paged_attention_mosaic(
             *tiled_kernel_args(q, k_cache, v_cache, md, layer, self.block_size),
-            sm_scale=float(sm_scale), tiles=md.tiles, interpret=self.interpret)
+            sm_scale=float(sm_scale), tiles=md.tiles, interpret=self.interpret,
+            sliding_window=sliding_window)

@@ -21,16 +21,19 @@ from jaxserve.attention.kernels import kv_cache_update as kvu
 from jaxserve.attention.kernels import ragged_paged_attention as rpa
 
 
-def choose_block_q(num_tokens: int, num_seqs: int, num_queries_per_kv: int) -> int:
+def choose_block_q(num_tokens: int, num_seqs: int, num_queries_per_kv: int, *,
+                   head_dim: int = 0, dtype: str = "bfloat16") -> int:
     """Tokens per Pallas query tile for a (T_pad, S_pad) bucket.
 
     A tile has block_q * next_pow2(H/K) rows and `tl.dot` needs >= 16 rows.
     Decode-heavy buckets (<= 2 tokens per sequence) take the smallest legal tile
-    (few wasted rows); prefill-heavy buckets take 64-row tiles.
+    (few wasted rows); prefill-heavy buckets take 64-row tiles, except f32 above
+    head_dim 128: its 64-row tile at head_dim 256 spills 12,472 B on sm_90a (ptxas,
+    deviceless, issue 31) where the 16-row one holds in 95 registers.
     """
     gp = rpa.next_pow2(num_queries_per_kv)
     min_bq = max(1, 16 // gp)
-    if num_tokens <= 2 * num_seqs:
+    if num_tokens <= 2 * num_seqs or (dtype == "float32" and head_dim > 128):
         return min_bq
     return max(min_bq, 64 // gp)
 
@@ -114,7 +117,8 @@ class PallasTritonBackend:
         """
         c = host_common(common, self.block_size)
         bq = self.block_q or choose_block_q(c.slot_mapping.shape[0], c.seq_lens.shape[0],
-                                            self.num_queries_per_kv)
+                                            self.num_queries_per_kv, head_dim=self.head_dim,
+                                            dtype=self.dtype)
         return PallasTritonMetadata(**tiled_fields(c, c.block_table, bq), block_q=int(bq))
 
     def write_kv(self, k_cache, v_cache, k, v, md: PallasTritonMetadata, *, layer):
@@ -123,11 +127,12 @@ class PallasTritonBackend:
         kc, vc = kvu.write_kv_pallas(kc, vc, k, v, md.slot_mapping, li, interpret=self.interpret)
         return (kc[0], vc[0]) if one_layer else (kc, vc)
 
-    def attention(self, q, k_cache, v_cache, md: PallasTritonMetadata, *, layer, sm_scale: float):
+    def attention(self, q, k_cache, v_cache, md: PallasTritonMetadata, *, layer, sm_scale: float,
+                  sliding_window=None):
         """See `AttentionBackend.attention`. Raises ValueError when q does not fit the cache."""
         return rpa.ragged_paged_attention(
             *tiled_kernel_args(q, k_cache, v_cache, md, layer, self.block_size),
             sm_scale=float(sm_scale), block_q=md.block_q, pages_per_chunk=self.pages_per_chunk,
             num_warps=choose_num_warps(md.block_q * rpa.next_pow2(self.num_queries_per_kv),
                                        self.head_dim, self.dtype),
-            interpret=self.interpret)
+            interpret=self.interpret, sliding_window=sliding_window)

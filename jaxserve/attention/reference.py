@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 def reference_ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
-                                     block_table, num_seqs: int, *, sm_scale: float) -> np.ndarray:
+                                     block_table, num_seqs: int, *, sm_scale: float,
+                                     sliding_window: int | None = None) -> np.ndarray:
     """Float64 NumPy reference, one sequence at a time.
 
     Args:
@@ -17,7 +18,9 @@ def reference_ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_l
       query_start_loc: i32[S+1]; seq_lens: i32[S]; block_table: i32[S, P];
       num_seqs: sequences in use. The query at flat index t of sequence s has
       position seq_lens[s] - q_len[s] + (t - query_start_loc[s]) and sees keys at
-      positions <= its own.
+      positions <= its own, and with `sliding_window` W only those > its own - W
+      (transformers' sliding-window mask). Keys no query of a sequence sees are never
+      read (the tests poison them with NaN).
 
     Returns:
       f64[T, H, D]; rows of tokens that belong to no sequence are 0.
@@ -34,12 +37,18 @@ def reference_ragged_paged_attention(q, k_cache, v_cache, query_start_loc, seq_l
         if hi == lo:
             continue
         pages = np.asarray(block_table[s])[: -(-n // bs)]
-        k = kc[pages].reshape(-1, kh, d)[:n]  # [n, K, D]
-        v = vc[pages].reshape(-1, kh, d)[:n]
+        qpos = n - (hi - lo) + np.arange(hi - lo)
+        kpos = np.arange(n)
+        seen = kpos <= qpos[-1]
+        mask = kpos[None, :] <= qpos[:, None]  # [q, n]
+        if sliding_window is not None:
+            seen &= kpos > qpos[0] - sliding_window
+            mask &= kpos[None, :] > qpos[:, None] - sliding_window
+        k = np.where(seen[:, None, None], kc[pages].reshape(-1, kh, d)[:n], 0.0)  # [n, K, D]
+        v = np.where(seen[:, None, None], vc[pages].reshape(-1, kh, d)[:n], 0.0)
         qs = q[lo:hi].reshape(hi - lo, kh, g, d)
         sc = np.einsum("qkgd,nkd->qkgn", qs, k) * sm_scale
-        qpos = n - (hi - lo) + np.arange(hi - lo)
-        sc = np.where(np.arange(n)[None, :] <= qpos[:, None], 0.0, -np.inf)[:, None, None] + sc
+        sc = np.where(mask[:, None, None], sc, -np.inf)
         p = np.exp(sc - sc.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         out[lo:hi] = np.einsum("qkgn,nkd->qkgd", p, v).reshape(hi - lo, h, d)

@@ -12,8 +12,9 @@ compute_capability, ...)`, so its rules are tested with fake device descriptions
   xla             xla                    xla               xla                xla
 
 On Hopper, "auto" and "pallas" take the Triton kernel instead of Mosaic for f32 at
-head_dim > 64, where Mosaic's kernel spills registers and Triton's does not (ptxas,
-deviceless: notes/issue25.md); an explicit "pallas_mosaic" is refused there.
+head_dim > 64 and bf16 at head_dim > 128 (Gemma 3's 256), where Mosaic's kernel spills
+registers and Triton's does not (ptxas, deviceless: notes/issue25.md, issue31.md); an
+explicit "pallas_mosaic" is refused there.
 
 (*) on CPU "pallas" needs interpret=True and means the Triton kernel: it tiles
 head_dim 16 (Mosaic needs multiples of 64) and its interpreter is the cheaper
@@ -145,8 +146,9 @@ def get_attention_backend(name: str, cfg: ModelConfig, *, block_size: int,
 
 def _mosaic_or_triton(name: str, cfg: ModelConfig) -> str:
     """"pallas_mosaic", or "pallas_triton" for "auto" / "pallas" where the Mosaic kernel
-    would spill registers (f32 at head_dim > 64, `rpm.spill_free`) and the Triton
-    kernel does not (notes/issue25.md); an explicit "pallas_mosaic" there is refused."""
+    would spill registers (f32 at head_dim > 64, bf16 at head_dim > 128: `rpm.spill_free`)
+    and the Triton kernel does not (notes/issue25.md, issue31.md); an explicit
+    "pallas_mosaic" there is refused."""
     from jaxserve.attention.kernels import ragged_paged_attention_mosaic as rpm
 
     if rpm.spill_free(cfg.head_dim, cfg.dtype):
@@ -154,6 +156,6 @@ def _mosaic_or_triton(name: str, cfg: ModelConfig) -> str:
     if name in ("auto", "pallas"):
         return "pallas_triton"
     raise ValueError(f"attention backend 'pallas_mosaic' spills registers at dtype={cfg.dtype} "
-                     f"head_dim={cfg.head_dim} (f32 is spill-free up to head_dim "
-                     f"{rpm.F32_MAX_HEAD_DIM}); use 'auto' (the Triton kernel), 'pallas_triton' "
-                     f"or dtype bfloat16")
+                     f"head_dim={cfg.head_dim} (spill-free up to head_dim "
+                     f"{rpm.F32_MAX_HEAD_DIM} in f32, {rpm.BF16_MAX_HEAD_DIM} in bf16); use "
+                     f"'auto' (the Triton kernel) or 'pallas_triton'")

@@ -30,7 +30,7 @@ from jax import lax
 
 from jaxserve.attention.common import (CommonAttentionMetadata, check_q_fits, host_common,
                                              num_query_tiles, query_tiles, real_q_lens,
-                                             stacked_cache)
+                                             sliding_window_start, stacked_cache, window_scalar)
 from jaxserve.attention import native_cpu
 from jaxserve.attention.kernels.online_softmax import init_state, merge_into, normalize, online_softmax_step
 
@@ -172,11 +172,13 @@ class XlaBackend:
         kc, vc = write_kv_xla(kc, vc, k, v, md.slot_mapping, li)
         return (kc[0], vc[0]) if one_layer else (kc, vc)
 
-    def attention(self, q, k_cache, v_cache, md: XlaMetadata, *, layer, sm_scale: float):
+    def attention(self, q, k_cache, v_cache, md: XlaMetadata, *, layer, sm_scale: float,
+                  sliding_window=None):
         """See `AttentionBackend.attention`. Raises ValueError when q does not fit the cache."""
         kc, vc, li, _ = stacked_cache(k_cache, v_cache, layer)
         check_q_fits(q, kc, self.block_size)
-        return _xla_attention(self, q, kc, vc, li, md, float(sm_scale))
+        return _xla_attention(self, q, kc, vc, li, md, float(sm_scale),
+                              window_scalar(sliding_window))
 
 
 def _gather_pages(cache, layer, pg):
@@ -190,13 +192,17 @@ def _gather_pages(cache, layer, pg):
     return rows.reshape(pg.shape[0], pg.shape[1] * bs, kh, d)
 
 
-def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_pages, n_chunks):
+def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_pages, n_chunks,
+                  window, kv_start=0, c0=0):
     """Online-softmax attention of tiles of rows against their sequences' pages.
 
     q: [n, K, M, D] (M rows per KV head: tokens x heads-in-group); row_pos: i32[n, M]
     position of each row; kv_end: i32[n] keys in use per tile; pages: i32[n, P'] page
-    ids (P' a multiple of chunk_pages); kc, vc: [L, N, B, K, D]; n_chunks: traced trip
-    count. Returns f32[n, K, M, D]. (Prefill tiles; decode rows use `_decode_split_kv`.)
+    ids (P' a multiple of chunk_pages); kc, vc: [L, N, B, K, D]; n_chunks: traced end
+    of the chunk loop, c0 its start (chunks wholly before every row's window are
+    skipped); window: i32[] keys a row sees (itself included, `sliding_window_start`);
+    kv_start: i32[n] the first key any row of the tile sees. Returns f32[n, K, M, D].
+    (Prefill tiles; decode rows use `_decode_online`.)
     """
     n, kh, m, d = q.shape
     ck = chunk_pages * kc.shape[2]
@@ -208,8 +214,9 @@ def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_p
         k = _gather_pages(kc, layer, pg)  # [n, CK, K, D]
         v = _gather_pages(vc, layer, pg)
         kpos = c * ck + j  # [CK]
-        key_ok = kpos[None, :] < kv_end[:, None]  # [n, CK]
+        key_ok = (kpos[None, :] < kv_end[:, None]) & (kpos[None, :] >= kv_start)  # [n, CK]
         valid = ((kpos[None, None, :] <= row_pos[:, :, None])
+                 & (kpos[None, None, :] > row_pos[:, :, None] - window)
                  & key_ok[:, None, :])[:, None]  # [n, 1, M, CK]
         v = jnp.where(key_ok[:, :, None, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
         # K before the key axis, so both dots are plain batched matmuls.
@@ -219,7 +226,7 @@ def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_p
         return online_softmax_step(state, s, valid, lambda p: jnp.einsum(
             "nkmc,nkcd->nkmd", p.astype(v.dtype), v, preferred_element_type=jnp.float32))
 
-    acc, _, l_sum = lax.fori_loop(0, n_chunks, body, init_state((n, kh, m), d))
+    acc, _, l_sum = lax.fori_loop(c0, n_chunks, body, init_state((n, kh, m), d))
     return normalize(acc, l_sum)
 
 
@@ -236,7 +243,7 @@ def _decode_scores(q, k, v, sm_scale, multiply_sum):
 
 
 def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, multiply_sum,
-                     max_items):
+                     max_items, window):
     """Decode attention over a flat list of (sequence, KV chunk) work items (split-KV).
 
     Flash-decoding style (Dao et al. 2023): sequence s contributes ceil(kv_len[s] / CK)
@@ -256,7 +263,7 @@ def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, 
     w = min(n, max_items)
     ck = chunk_pages * kc.shape[2]
     n_iter_max = -(-n * (pages.shape[1] // chunk_pages) // w)  # ceil(S * chunks per row / W)
-    cnt = (kv_len + ck - 1) // ck  # [S] items per sequence
+    lo, first, cnt = _window_items(kv_len, window, ck)  # [S] each
     end = jnp.cumsum(cnt)  # [S] exclusive end of each sequence's items
     start = end - cnt
     total = end[-1]
@@ -265,7 +272,7 @@ def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, 
 
     def item_rows(idx):  # flat item ids -> (row, chunk, valid)
         row = jnp.minimum(jnp.sum(idx[:, None] >= end[None, :], -1), n - 1)
-        return row, idx - start[row], idx < total
+        return row, idx - start[row] + first[row], idx < total
 
     def body(it, bufs):
         idx = it * w + jnp.arange(w, dtype=jnp.int32)  # [W] items of this iteration
@@ -273,7 +280,7 @@ def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, 
         pg = pages[row[:, None], chunk[:, None] * chunk_pages + cols[None, :]]  # [W, cp]
         pg = jnp.where(ok[:, None], pg, 0)
         kpos = chunk[:, None] * ck + j[None, :]  # [W, CK]
-        key_ok = (kpos < kv_len[row][:, None]) & ok[:, None]  # [W, CK]
+        key_ok = (kpos < kv_len[row][:, None]) & (kpos >= lo[row][:, None]) & ok[:, None]
         k = _gather_pages(kc, layer, pg)  # [W, CK, K, D]
         v = _gather_pages(vc, layer, pg)
         v = jnp.where(key_ok[:, :, None, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
@@ -292,6 +299,16 @@ def _decode_split_kv(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, 
     l_row = jax.ops.segment_sum(l_buf * w, seg, num_segments=n + 1)[:n]
     acc = jax.ops.segment_sum(acc_buf * w[..., None], seg, num_segments=n + 1)[:n]
     return normalize(acc, l_row)
+
+
+def _window_items(kv_len, window, ck):
+    """(lo, first, cnt), each i32[S], of decode rows with kv_len keys under a sliding
+    window: the first key a row sees (kv_len - window, at least 0), the first chunk of
+    ck keys holding it, and the chunks from there to the row's end (0 for kv_len 0)."""
+    lo = jnp.maximum(kv_len - window, 0)
+    first = lo // ck
+    cnt = jnp.where(kv_len > 0, (kv_len + ck - 1) // ck - first, 0)
+    return lo, first, cnt
 
 
 def _decode_products(q, k, v, sm_scale, product):
@@ -322,7 +339,7 @@ def _decode_products(q, k, v, sm_scale, product):
 
 
 def _decode_online(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, max_items,
-                   product):
+                   product, window):
     """Decode attention over (sequence, KV chunk) work items, merged into per-row states.
 
     Split-KV as in flash-decoding (Dao et al. 2023): sequence s contributes
@@ -334,12 +351,13 @@ def _decode_online(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, ma
     buffer scales with S x max_blocks_per_seq.
 
     q: [S, K, G, D]; kv_len: i32[S] (0 = not a decode row); pages: i32[S, P'] (P' a
-    multiple of chunk_pages). Returns f32[S, K, G, D], 0 for rows with kv_len 0.
+    multiple of chunk_pages); window: i32[] keys a row sees (its last `window` ones; chunks
+    wholly before them are no items). Returns f32[S, K, G, D], 0 for rows with kv_len 0.
     """
     n, kh, g, d = q.shape
     w = min(n, max_items)
     ck = chunk_pages * kc.shape[2]
-    cnt = (kv_len + ck - 1) // ck  # [S] items per sequence
+    lo, first, cnt = _window_items(kv_len, window, ck)  # [S] each
     end = jnp.cumsum(cnt)
     start = end - cnt
     total = end[-1]
@@ -351,9 +369,10 @@ def _decode_online(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, ma
         idx = it * w + jnp.arange(w, dtype=jnp.int32)  # [W] items of this iteration
         ok = idx < total
         row = jnp.minimum(jnp.sum(idx[:, None] >= end[None, :], -1), n - 1)
-        chunk = idx - start[row]
+        chunk = idx - start[row] + first[row]
         pg = jnp.where(ok[:, None], pages[row[:, None], chunk[:, None] * chunk_pages + cols], 0)
-        key_ok = ((chunk[:, None] * ck + j) < kv_len[row][:, None]) & ok[:, None]  # [W, CK]
+        kpos = chunk[:, None] * ck + j  # [W, CK]
+        key_ok = (kpos < kv_len[row][:, None]) & (kpos >= lo[row][:, None]) & ok[:, None]
         k = _gather_pages(kc, layer, pg)  # [W, CK, K, D]
         v = _gather_pages(vc, layer, pg)
         v = jnp.where(key_ok[:, :, None, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
@@ -375,7 +394,7 @@ def _pad_pages(block_table, chunk_pages):
     return jnp.pad(block_table, ((0, 0), (0, -block_table.shape[1] % chunk_pages)))
 
 
-def _xla_attention(be: XlaBackend, q, kc, vc, layer, md: XlaMetadata, sm_scale: float):
+def _xla_attention(be: XlaBackend, q, kc, vc, layer, md: XlaMetadata, sm_scale: float, window):
     t, h, d = q.shape
     kh = kc.shape[3]
     g = h // kh
@@ -390,16 +409,18 @@ def _xla_attention(be: XlaBackend, q, kc, vc, layer, md: XlaMetadata, sm_scale: 
     dq = qg[md.decode_token_idx]  # [S, K, G, D]
     if be.decode_impl == "native" and _use_native(kc, vc):
         o_dec = native_cpu.paged_decode(dq, md.decode_kv_len, md.block_table, kc, vc, layer,
-                                        sm_scale=sm_scale, chunk_pages=be.native_chunk_pages)
+                                        sm_scale=sm_scale, chunk_pages=be.native_chunk_pages,
+                                        window=window)
     elif be.decode_impl in ("native", "online"):
         o_dec = _decode_online(dq, md.decode_kv_len, _pad_pages(md.block_table, dcp), kc, vc,
                                layer, sm_scale=sm_scale, chunk_pages=dcp,
-                               max_items=be.decode_max_items, product=be.decode_product)
+                               max_items=be.decode_max_items, product=be.decode_product,
+                               window=window)
     else:
         o_dec = _decode_split_kv(dq, md.decode_kv_len, _pad_pages(md.block_table, dcp), kc, vc,
                                  layer, sm_scale=sm_scale, chunk_pages=dcp,
                                  multiply_sum=be.decode_mulsum,
-                                 max_items=be.decode_max_items)  # [S, K, G, D]
+                                 max_items=be.decode_max_items, window=window)  # [S, K, G, D]
     out = out.at[md.decode_token_idx].set(o_dec)
 
     # Prefill tiles, one at a time, each up to its own causal end.
@@ -411,10 +432,12 @@ def _xla_attention(be: XlaBackend, q, kc, vc, layer, md: XlaMetadata, sm_scale: 
         pos = md.prefill_tile_pos0[i] + jnp.arange(bq, dtype=jnp.int32)  # [bq]
         qt = lax.dynamic_slice_in_dim(qg, q_start, bq)  # [bq, K, G, D]
         qt = qt.transpose(1, 0, 2, 3).reshape(1, kh, bq * g, d)  # rows m = token * G + head
+        kv_start = sliding_window_start(md.prefill_tile_pos0[i], window)
         ot = _flash_chunks(qt, jnp.repeat(pos, g)[None], kv_end[None],
                            pages[md.prefill_tile_seq[i]][None], kc, vc, layer,
                            sm_scale=sm_scale, chunk_pages=pcp,
-                           n_chunks=-(-kv_end // (pcp * bs)))  # [1, K, bq * G, D]
+                           n_chunks=-(-kv_end // (pcp * bs)), window=window,
+                           kv_start=kv_start, c0=kv_start // (pcp * bs))  # [1, K, bq * G, D]
         ot = ot.reshape(kh, bq, g, d).transpose(1, 0, 2, 3)  # [bq, K, G, D]
         old = lax.dynamic_slice_in_dim(out, q_start, bq)
         keep = (pos < kv_end)[:, None, None, None]  # rows past the sequence's end

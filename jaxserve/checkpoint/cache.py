@@ -89,6 +89,7 @@ def file_digest(path: Path, cache_dir: Path | None) -> str:
     if cache_dir is not None:
         memo[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
         cache_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(_memo_path(cache_dir).with_suffix(""))  # a memo write cut short
         tmp = _memo_path(cache_dir).with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(memo, indent=1))
         os.replace(tmp, _memo_path(cache_dir))
@@ -208,12 +209,16 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _remove_stale_tmp(entry: Path) -> None:
-    """Delete `<entry>.tmp<pid>` dirs left by processes that died mid-save."""
+    """Delete `<entry>.tmp<pid>` dirs (or files: the hash memo's) left by processes that
+    died mid-save."""
     for tmp in entry.parent.glob(f"{entry.name}.tmp*"):
         pid = tmp.name.rsplit(".tmp", 1)[-1]
         if not pid.isdigit() or not _pid_alive(int(pid)):
             log.info("removing stale params-cache temporary %s", tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
 
 
 def save(entry: Path, cfg: ModelConfig, params: dict, tok: Tokenizer) -> None:

@@ -7,7 +7,12 @@ Reads with `gguf.GGUFReader` (memory-mapped) and dequantizes with
 llama.cpp writes for Mistral), whose attn_q/attn_k rows carry llama.cpp's RoPE
 permutation, undone with `layout.unpermute_qk`; "qwen2" (q/k/v biases) and
 "qwen3" (attn_q_norm/attn_k_norm), which llama.cpp's convert_hf_to_gguf.py does
-not permute (they run with NEOX-style, i.e. rotate_half, RoPE).
+not permute (they run with NEOX-style, i.e. rotate_half, RoPE); "gemma3" (Gemma 3
+text, not permuted either; its norm weights are already the (1 + w) Gemma applies,
+llama.cpp's converter adds the 1). What llama.cpp hard-codes for gemma3 rather than
+writes into the file is read the same way here: 5 sliding layers to 1 global
+(`GEMMA3_SLIDING_WINDOW_PATTERN`), RoPE base 10,000 on the sliding layers, scores
+scaled by head_dim ** -0.5, and `<end_of_turn>` as an end-of-generation token.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ GGUF_LAYER_NAMES = {
     "w_down": "blk.{i}.ffn_down.weight",
     "bq": "blk.{i}.attn_q.bias", "bk": "blk.{i}.attn_k.bias", "bv": "blk.{i}.attn_v.bias",
     "q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
+    "post_attn_norm": "blk.{i}.post_attention_norm.weight",  # Gemma 3
+    "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
 }
 GGUF_TOP_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
                   "lm_head": "output.weight"}
@@ -45,7 +52,9 @@ GGUF_ARCHS: dict[str, tuple[dict[str, bool], bool]] = {
     "llama": ({}, True),
     "qwen2": ({"attention_bias": True}, False),
     "qwen3": ({"qk_norm": True}, False),
+    "gemma3": ({"qk_norm": True, "sandwich_norms": True, "scale_embeddings": True}, False),
 }
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
 
 
 class _Reader(gguf.GGUFReader):
@@ -102,7 +111,7 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], path: Path,
     Raises:
       CheckpointError: `general.architecture` not in GGUF_ARCHS, a required key
         missing, or a feature jaxserve lacks (partial rotary, non-llama3 rope
-        scaling, a sliding window).
+        scaling, attention-logit soft-capping).
     """
     arch = fields.get("general.architecture")
     if arch not in GGUF_ARCHS:
@@ -127,17 +136,29 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], path: Path,
     if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
         raise CheckpointError(f"{path}: rope scaling {scaling!r} / rope_freqs tensor is not supported "
                               "from GGUF (load the HF checkpoint for llama3 rope scaling)")
-    window = int(key("attention.sliding_window", 0) or 0)
-    if 0 < window < int(key("context_length", 2048)):
-        raise CheckpointError(f"{path}: {arch}.attention.sliding_window={window}: sliding-window "
-                              "attention is not supported by jaxserve's attention backends")
+    if key("attn_logit_softcapping", None) is not None:
+        raise CheckpointError(f"{path}: {arch}.attn_logit_softcapping is not supported by "
+                              "jaxserve's attention kernels")
+    window = int(key("attention.sliding_window", 0) or 0) or None
+    L = int(key("block_count"))
+    extra: dict[str, Any] = {"sliding_window": window}
+    if arch == "gemma3":
+        from jaxserve.config import GEMMA3_SLIDING_WINDOW_PATTERN as pat
+
+        extra.update(layer_types=tuple("full_attention" if (i + 1) % pat == 0 else
+                                       "sliding_attention" for i in range(L)),
+                     rope_local_base_freq=GEMMA3_LOCAL_ROPE_BASE, hidden_act="gelu_pytorch_tanh",
+                     query_pre_attn_scalar=float(head_dim),
+                     final_logit_softcapping=key("final_logit_softcapping", None))
     tokens = fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else int(key("vocab_size"))
     eos = [fields.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    if arch == "gemma3" and tokens and "<end_of_turn>" in tokens:
+        eos.append(tokens.index("<end_of_turn>"))  # llama.cpp's EOT by text for Gemma
     try:
         return ModelConfig(
             vocab_size=vocab, hidden_size=E, intermediate_size=int(key("feed_forward_length")),
-            num_hidden_layers=int(key("block_count")), num_attention_heads=H,
+            num_hidden_layers=L, num_attention_heads=H,
             num_key_value_heads=int(key("attention.head_count_kv", H)), head_dim=head_dim,
             max_position_embeddings=int(key("context_length", 2048)),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -145,7 +166,7 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], path: Path,
             tie_word_embeddings=GGUF_TOP_NAMES["lm_head"] not in tensor_names,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)), dtype=dtype,
-            **GGUF_ARCHS[arch][0])
+            **extra, **GGUF_ARCHS[arch][0])
     except ValueError as e:
         raise CheckpointError(f"{path}: invalid model metadata: {e}") from e
 

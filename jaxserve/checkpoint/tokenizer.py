@@ -75,6 +75,55 @@ class TemplateRaised(jinja2.exceptions.TemplateError):
     """The template's own `raise_exception(...)` (e.g. roles that do not alternate)."""
 
 
+# Gemma's turn format (Gemma 3's tokenizer_config.json template, text only): a system
+# message is prefixed to the first user turn; "assistant" is spoken as "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+
+
+def _spm_backend(tokens: list[str], scores: list[float], types: list[int], fields: dict,
+                 source: Path) -> tokenizers.Tokenizer:
+    """A SentencePiece-BPE vocabulary (GGUF "llama" tokenizer: tokens + scores) as an HF
+    BPE: the merge of two pieces ranks by the score of the piece it makes, which is the
+    order SentencePiece's (and llama.cpp's `llm_tokenizer_spm`) bigram merging takes;
+    transformers' SentencePieceExtractor derives Gemma's tokenizer.json merges the same
+    way. Spaces are "\u2581" (no pre-tokenizer, no prefix space unless
+    `tokenizer.ggml.add_space_prefix`), unknown characters fall back to <0xXX> bytes."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    normal = [i for i, ty in enumerate(types) if ty in (1, 6) and len(tokens[i]) > 1]
+    ranked = []
+    for i in normal:
+        t = tokens[i]
+        for j in range(1, len(t)):
+            a, b = t[:j], t[j:]
+            if a in vocab and b in vocab:
+                ranked.append((-scores[i], i, a, b))
+    ranked.sort()
+    backend = tokenizers.Tokenizer(models.BPE(vocab, [(a, b) for _, _, a, b in ranked],
+                                              unk_token=tokens[fields.get(
+                                                  "tokenizer.ggml.unknown_token_id", 0)],
+                                              fuse_unk=True, byte_fallback=True))
+    from tokenizers import normalizers
+
+    norm = [normalizers.Replace(" ", "\u2581")]
+    if fields.get("tokenizer.ggml.add_space_prefix"):
+        norm.insert(0, normalizers.Prepend("\u2581"))
+    backend.normalizer = normalizers.Sequence(norm)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    return backend
+
+
 def _raise_exception(message: str):
     raise TemplateRaised(message)
 
@@ -204,27 +253,39 @@ class Tokenizer:
     def from_gguf_fields(cls, fields: dict[str, Any], source: str | Path) -> "Tokenizer":
         """Build from decoded GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
 
-        Only `tokenizer.ggml.model == "gpt2"` (byte-level BPE) is supported.
-        Control tokens (type 3) become special added tokens, user-defined ones
-        (type 4) plain added tokens, so both are matched whole in text.
+        `tokenizer.ggml.model` "gpt2" (byte-level BPE with merges) or "llama"
+        (SentencePiece BPE with scores: Gemma, `_spm_backend`). Control tokens
+        (type 3) become special added tokens, user-defined ones (type 4) plain
+        added tokens, so both are matched whole in text.
 
         Raises:
           CheckpointError: missing tokenizer metadata or an unsupported model / pre-tokenizer.
         """
         model = fields.get("tokenizer.ggml.model")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise CheckpointError(f"{source}: unsupported tokenizer.ggml.model={model!r} "
-                                  "(only 'gpt2' byte-level BPE is supported)")
+                                  "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
         tokens = fields.get("tokenizer.ggml.tokens")
         merges = fields.get("tokenizer.ggml.merges")
-        if not tokens or merges is None:
+        types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens or ())
+        if model == "llama":
+            scores = fields.get("tokenizer.ggml.scores")
+            if not tokens or scores is None:
+                raise CheckpointError(f"{source}: GGUF lacks tokenizer.ggml.tokens / "
+                                      "tokenizer.ggml.scores")
+            tokens = [("\u2581" * len(t)) if t and not t.strip(" ") else t for t in tokens]
+            backend = _spm_backend(tokens, scores, types, fields, source)
+            vocab = {t: i for i, t in enumerate(tokens)}
+        elif not tokens or merges is None:
             raise CheckpointError(f"{source}: GGUF lacks tokenizer.ggml.tokens / tokenizer.ggml.merges")
-        vocab = {t: i for i, t in enumerate(tokens)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre", "default"), source)
-        backend.decoder = decoders.ByteLevel()
-        types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        else:
+            vocab = {t: i for i, t in enumerate(tokens)}
+            pairs = [tuple(m.split(" ", 1)) for m in merges]
+            backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, fuse_unk=False,
+                                                      byte_fallback=False))
+            backend.pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre", "default"),
+                                                        source)
+            backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                     for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL])
         backend.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -242,8 +303,10 @@ class Tokenizer:
         if fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
-        return cls(backend, bos_token=bos, eos_token=eos,
-                   chat_template=fields.get("tokenizer.chat_template"), source=source)
+        template = fields.get("tokenizer.chat_template")
+        if template is None and fields.get("general.architecture") == "gemma3":
+            template = GEMMA_CHAT_TEMPLATE  # llama.cpp's built-in "gemma" template, as jinja
+        return cls(backend, bos_token=bos, eos_token=eos, chat_template=template, source=source)
 
     def to_state(self) -> dict[str, Any]:
         """A JSON-serializable snapshot (used by the params cache); see `from_state`."""

@@ -58,6 +58,7 @@ LAYER_SPECS: dict[str, P] = {
     "q_norm": P(None), "k_norm": P(None),  # [D]
     "wo": P(TP_AXIS, None),  # [H*D, E]
     "mlp_norm": P(None),
+    "post_attn_norm": P(None), "post_mlp_norm": P(None),  # [E] (Gemma 3)
     "w_gate": P(None, TP_AXIS), "w_up": P(None, TP_AXIS),  # [E, F]
     "w_down": P(TP_AXIS, None),  # [F, E]
 }

@@ -229,10 +229,11 @@ class LLMEngine:
         tokens, apply them; with overlap (`async_scheduling`), plan and dispatch the next
         step before this one's output processing, so the device runs it meanwhile."""
         outs: list[RequestOutput] = []
+        self.last_step_tokens = 0  # the tokens of the step whose results this call applies
         if self._inflight is None and not self._dispatch(outs):
             return outs
-        out, handle = self._inflight
-        self._inflight = None
+        (out, handle), self._inflight = self._inflight, None
+        self.last_step_tokens = out.num_scheduled_tokens
         try:
             results = handle.result()
         except Exception as e:  # one bad step fails its requests, never the engine
@@ -278,7 +279,6 @@ class LLMEngine:
         no rows (then it only tells the runner what ended). A step that fails to dispatch
         fails its requests, their outputs appended to `outs`."""
         out = self.scheduler.schedule(self.runner.token_cap)
-        self.last_step_tokens = out.num_scheduled_tokens
         self.outputs.on_scheduled(out, time.monotonic())
         if not out.scheduled:  # still the runner's: it drops the finished and preempted
             self.runner.execute(out)
@@ -309,8 +309,7 @@ class LLMEngine:
         stand where serial steps would have left them; the scheduler takes the plan
         back and its rows rerun."""
         if self._inflight is not None:
-            out, handle = self._inflight
-            self._inflight = None
+            (out, handle), self._inflight = self._inflight, None
             try:
                 handle.result()  # the device finishes it; its tokens are not kept
             except Exception as e:

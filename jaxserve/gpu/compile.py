@@ -29,7 +29,8 @@ from jaxserve.gpu.targets import GpuTarget, load_target
 
 PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "llama3-8b": ModelConfig.llama3_8b, "smollm2-135m": ModelConfig.smollm2_135m,
-    "tiny-d64": lambda **kw: ModelConfig.tiny(head_dim=64, **kw)}
+    "tiny-d64": lambda **kw: ModelConfig.tiny(head_dim=64, **kw),
+    "gemma3-270m": ModelConfig.gemma3_270m}
 GIB = 2 ** 30
 
 

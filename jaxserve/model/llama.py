@@ -5,7 +5,9 @@ grouped-query attention (Ainslie et al. 2023) and Llama 3.1's band-wise RoPE
 scaling. The same module runs Llama 2/3, SmolLM, Mistral (Jiang et al. 2023,
 without its sliding window), Qwen2/Qwen2.5 (`cfg.attention_bias`: q/k/v biases)
 and Qwen3 (`cfg.qk_norm`: per-head RMSNorm of q and k over head_dim, before
-RoPE), as HF transformers' Qwen2Attention / Qwen3Attention do. The paged KV cache (`[L, N, B, K, D]` for K and V) rides in the
+RoPE), as HF transformers' Qwen2Attention / Qwen3Attention do; sliding-window
+layers (`cfg.layer_windows`) pass their window to the attention as data, and Gemma 3
+runs its own block (`jaxserve.model.gemma3`). The paged KV cache (`[L, N, B, K, D]` for K and V) rides in the
 layer loop's carry and is updated in place when the caller donates it (see
 BUILD_NOTES.md for why: passing it as scan xs/ys copies it every step).
 
@@ -16,7 +18,7 @@ The canonical parameter tree is the state of the NNX module `Llama`
   w_down [L,F,E]}; final_norm [E]; lm_head [E,V] (absent when tied).
 Optional layer leaves, present only for the families that have them:
   bq [L,H*D], bk [L,K*D], bv [L,K*D] (cfg.attention_bias); q_norm [L,D], k_norm [L,D]
-  (cfg.qk_norm).
+  (cfg.qk_norm); post_attn_norm [L,E], post_mlp_norm [L,E] (cfg.sandwich_norms).
 Loaders and the params cache produce it as NumPy; `prepare_params` is the one
 transform into the engine layout (dtype, unstacked layers, optionally fused
 projections; sharded placement with `place`). The forward functions are pure functions of either layout: with
@@ -36,8 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.attention.common import AttentionBackend, MdT
+from jaxserve.attention.common import NO_WINDOW, AttentionBackend, MdT
+from jaxserve.model import gemma3
 from jaxserve.model.lora import project
+from jaxserve.model.ops import apply_rope, rms_norm  # noqa: F401 - re-exported
 from jaxserve.model.params import param_shapes  # noqa: F401 - re-exported
 
 # One layer's weights, and a parameter tree: the canonical one (layers stacked on [L]) or
@@ -161,6 +165,8 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
       ValueError: a missing, extra, mis-shaped or non-floating leaf (naming its path),
         or fuse with a `place` (the fused layout has no tensor-parallel specs).
     """
+    if fuse and cfg.sandwich_norms:
+        raise ValueError("prepare_params: fuse=True is not implemented for the Gemma 3 block")
     if fuse and place is not None:
         raise ValueError("prepare_params: fuse=True has no sharded layout; use fuse=False "
                          "with a placement (tensor parallelism)")
@@ -202,39 +208,51 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate x [T, N, D] by positions i32[T] (HF rotate_half layout)."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.cos(freqs)[:, None, :]
-    sin = jnp.sin(freqs)[:, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+# An attention callback: (q [T,H,D], k [T,K,D], v [T,K,D], carry, layer, window) ->
+# (out [T,H,D], carry); window: i32[] keys a query sees (sliding window) or None.
+AttnFn = Callable[..., tuple[jax.Array, Any]]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich 2019) in fp32, cast back before the weight as HF does."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
+def layer_window(cfg: ModelConfig, layer_index: Any) -> jax.Array | None:
+    """i32[] the sliding window of layer `layer_index` (an int or a traced i32; global
+    layers get NO_WINDOW), or None when no layer of the model slides (the Llama
+    programs stay as they were). Data, not a static: one layer program serves all."""
+    if not cfg.has_sliding_layers:
+        return None
+    table = np.array([w or NO_WINDOW for w in cfg.layer_windows], np.int32)
+    return jnp.asarray(table)[layer_index]
 
 
-# An attention callback: (q [T,H,D], k [T,K,D], v [T,K,D], carry, layer) -> (out [T,H,D], carry)
-AttnFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
+def layer_inv_freq(cfg: ModelConfig, inv_freq: jax.Array, layer_index: Any) -> jax.Array:
+    """The RoPE table of layer `layer_index`: Gemma 3's sliding layers rotate with
+    rope_local_base_freq, every other layer with `inv_freq` (rope_theta's)."""
+    if cfg.rope_local_base_freq is None or not cfg.has_sliding_layers:
+        return inv_freq
+    local = jnp.asarray(rope_inv_freq(cfg.replace(rope_theta=cfg.rope_local_base_freq,
+                                                  rope_scaling=None)))
+    is_local = np.array([w is not None for w in cfg.layer_windows])
+    return jnp.where(jnp.asarray(is_local)[layer_index], local, inv_freq)
 
 
 def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], positions: jax.Array,
-                  inv_freq: jax.Array, attn_fn: AttnFn, attn_carry: Any, layer: jax.Array,
-                  lora_slots: jax.Array | None = None):
+                  inv_freq: jax.Array, attn_fn: AttnFn, attn_carry: Any, layer: jax.Array, *,
+                  layer_index: Any = None, lora_slots: jax.Array | None = None):
     """One pre-norm Llama block on x [T, E]; returns (x [T, E], attn_carry).
 
     `lora_slots` i32[T] (issue 27): each token's LoRA slot (0 = none); the projections
     then add their adapter's delta when `lp` carries a pool (`jaxserve.model.lora`).
 
     With cfg.attention_bias the q/k/v projections add their biases (Qwen2); with
-    cfg.qk_norm q and k are RMS-normed per head over D before RoPE (Qwen3).
+    cfg.qk_norm q and k are RMS-normed per head over D before RoPE (Qwen3). `layer`
+    indexes a stacked cache (None: per-layer caches); `layer_index` (default `layer`)
+    is the layer's place in the model, which picks its sliding window and RoPE table.
+    With cfg.sandwich_norms the block is Gemma 3's (`jaxserve.model.gemma3`).
     """
+    index = layer if layer_index is None else layer_index
+    window = layer_window(cfg, index)
+    if cfg.sandwich_norms:
+        return gemma3.decoder_layer(cfg, x, lp, positions, layer_inv_freq(cfg, inv_freq, index),
+                                    attn_fn, attn_carry, layer, window=window)
     T = x.shape[0]
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -253,14 +271,14 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    o, attn_carry = attn_fn(q, k, v, attn_carry, layer)  # [T, H, D]
+    o, attn_carry = attn_fn(q, k, v, attn_carry, layer, window)  # [T, H, D]
     x = x + project(o.reshape(T, H * D), lp, "wo", lora_slots)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in lp:
         gate, up = jnp.split(h @ lp["w_gate_up"], 2, axis=-1)
     else:
         gate, up = project(h, lp, "w_gate", lora_slots), project(h, lp, "w_up", lora_slots)
-    x = x + project(jax.nn.silu(gate) * up, lp, "w_down", lora_slots)
+    x = x + project(jax.nn.silu(gate) * up, lp, "w_down", lora_slots)  # (Gemma: gemma3.py)
     return x, attn_carry
 
 
@@ -274,7 +292,7 @@ def run_layers(cfg: ModelConfig, params: Params, input_ids: jax.Array, positions
     (the KV cache for the paged path).
     """
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    x = params["embed"][input_ids]  # [T, E]
+    x = embed_tokens(cfg, params["embed"], input_ids)  # [T, E]
     if isinstance(params["layers"], (list, tuple)):
         # Unstacked weights (see `prepare_params`): a Python loop, each matmul reading its
         # own weight buffer. Under the scan XLA:CPU copies every layer's weight slice out
@@ -282,42 +300,60 @@ def run_layers(cfg: ModelConfig, params: Params, input_ids: jax.Array, positions
         ac = attn_carry
         for i, lp in enumerate(params["layers"]):
             x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, jnp.int32(i),
-                                  lora_slots)
+                                  lora_slots=lora_slots)
         return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), ac
     layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
 
     def body(carry, xs):
         x, ac = carry
         lp, layer = xs
-        x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, layer, lora_slots)
+        x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, layer,
+                              lora_slots=lora_slots)
         return (x, ac), None
 
     (x, attn_carry), _ = jax.lax.scan(body, (x, attn_carry), (params["layers"], layer_ids))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), attn_carry
 
 
+def embed_tokens(cfg: ModelConfig, embed: jax.Array, input_ids: jax.Array) -> jax.Array:
+    """embed [V, E] gathered at input_ids i32[T] -> [T, E]; Gemma scales by sqrt(E) in
+    the embedding's dtype (as transformers' Gemma3TextScaledWordEmbedding)."""
+    x = embed[input_ids]
+    if cfg.scale_embeddings:
+        x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+    return x
+
+
 def compute_logits(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
-    """hidden [S, E] -> f32[S, V] (tied embeddings reuse embed.T)."""
+    """hidden [S, E] -> f32[S, V] (tied embeddings reuse embed.T); with
+    cfg.final_logit_softcapping c, c * tanh(logits / c) (Gemma 2)."""
     w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     s = hidden.shape[0]
     if s == 1:
         # XLA:CPU lowers a one-row dot to a single-threaded loop: 14 ms for the tied
         # [49152, 576] head vs 6 ms for two rows (notes/perf.md). Pad to two rows.
-        return (jnp.pad(hidden, ((0, 1), (0, 0))) @ w)[:1].astype(jnp.float32)
-    return (hidden @ w).astype(jnp.float32)
+        logits = (jnp.pad(hidden, ((0, 1), (0, 0))) @ w)[:1].astype(jnp.float32)
+    else:
+        logits = (hidden @ w).astype(jnp.float32)
+    cap = cfg.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def dense_causal_attn(cfg: ModelConfig) -> AttnFn:
-    """Plain causal GQA over one contiguous sequence (tests and the reference path)."""
-    scale = cfg.head_dim ** -0.5
+    """Plain causal GQA over one contiguous sequence (tests and the reference path), with
+    the layer's sliding window when it has one."""
+    scale = cfg.attn_scale
     rep = cfg.num_queries_per_kv
 
-    def fn(q, k, v, carry, layer):
+    def fn(q, k, v, carry, layer, window=None):
         T = q.shape[0]
         kr = jnp.repeat(k, rep, axis=1)  # [T, H, D]
         vr = jnp.repeat(v, rep, axis=1)
         s = jnp.einsum("thd,shd->hts", q.astype(jnp.float32), kr.astype(jnp.float32)) * scale
         mask = jnp.tril(jnp.ones((T, T), dtype=bool))
+        if window is not None:
+            pos = jnp.arange(T)
+            mask &= pos[None, :] > pos[:, None] - window
         s = jnp.where(mask[None], s, -1e30)
         p = jax.nn.softmax(s, axis=-1)
         o = jnp.einsum("hts,shd->thd", p, vr.astype(jnp.float32))
@@ -329,13 +365,15 @@ def dense_causal_attn(cfg: ModelConfig) -> AttnFn:
 def paged_attn(cfg: ModelConfig, md: MdT, backend: AttentionBackend[MdT]) -> AttnFn:
     """Write K/V through the backend, then ragged paged attention.
 
-    The carry is (k_cache, v_cache), each [L, N, B, K, D].
+    The carry is (k_cache, v_cache), each [L, N, B, K, D]; `window` (i32[] or None) is
+    the layer's sliding window, handed to the backend as data.
     """
-    scale = cfg.head_dim ** -0.5
+    scale = cfg.attn_scale
 
-    def fn(q, k, v, carry, layer):
+    def fn(q, k, v, carry, layer, window=None):
         k_cache, v_cache = backend.write_kv(*carry, k, v, md, layer=layer)
-        o = backend.attention(q, k_cache, v_cache, md, layer=layer, sm_scale=scale)
+        kw = {} if window is None else {"sliding_window": window}
+        o = backend.attention(q, k_cache, v_cache, md, layer=layer, sm_scale=scale, **kw)
         return o, (k_cache, v_cache)
 
     return fn

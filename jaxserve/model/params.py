@@ -22,6 +22,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...] | dict[str, tupl
         shapes["layers"].update(bq=(L, H * D), bk=(L, K * D), bv=(L, K * D))
     if cfg.qk_norm:
         shapes["layers"].update(q_norm=(L, D), k_norm=(L, D))
+    if cfg.sandwich_norms:
+        shapes["layers"].update(post_attn_norm=(L, E), post_mlp_norm=(L, E))
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (E, V)
     return shapes

@@ -91,6 +91,12 @@ def constant_array(shape: tuple[int, ...], value: int, dtype: str) -> np.ndarray
     return a
 
 
+def _filled(shape: tuple[int, int], written: bool) -> np.ndarray:
+    """An i32 array of -1: a fresh one when some row will write into it, else the shared
+    read-only `constant_array` (kept on the device by the runner)."""
+    return np.full(shape, -1, np.int32) if written else constant_array(shape, -1, "int32")
+
+
 def _fill_token_lists(i: int, row: SamplingRow, max_model_len: int, history: np.ndarray,
                       prompt_lens: np.ndarray, suppress: np.ndarray, bias_ids: np.ndarray,
                       bias_values: np.ndarray) -> None:
@@ -162,16 +168,13 @@ def make_sampling_metadata(
     pres = np.zeros(S, np.float32)
     freq = np.zeros(S, np.float32)
     live = [r for r in rows if r is not None]
-    history = (np.full((S, max_model_len), -1, np.int32)
-               if any(_uses_penalties(r.params) for r in live)
-               else constant_array((S, max_model_len), -1, "int32"))  # never written
+    history = _filled((S, max_model_len), any(_uses_penalties(r.params) for r in live))
     prompt_lens = np.zeros(S, np.int32)
     suppress = np.full((S, SUPPRESS_WIDTH), -1, np.int32)
     bias_ids = np.zeros((S, MAX_LOGIT_BIAS), np.int32)
     bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
-    words = 0 if vocab_size is None else (vocab_size + 31) // 32
-    bitmask = (np.full((S, words), -1, np.int32) if any(r.allowed is not None for r in live)
-               else constant_array((S, words), -1, "int32"))
+    bitmask = _filled((S, 0 if vocab_size is None else (vocab_size + 31) // 32),
+                      any(r.allowed is not None for r in live))
     for i, row in enumerate(rows):
         if row is None:
             continue

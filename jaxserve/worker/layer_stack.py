@@ -7,7 +7,9 @@ three small AOT programs instead:
 
   embed   (embed [V, E], input_ids i32[T]) -> x [T, E]
   layers  (G layers' weights, their K and V caches, x, positions, attention
-          metadata) -> (x, the G new K caches, the G new V caches)
+          metadata, the G layers' indices i32[G]) -> (x, the G new K caches, the G
+          new V caches); the indices pick each layer's sliding window and RoPE table
+          (data: one program serves local and global layers)
   final   (final_norm [E], x, logits_indices i32[S_max]) -> (rows [S_max, E],
           hidden [T, E])
 
@@ -29,34 +31,45 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.attention import AttentionBackend
-from jaxserve.model.llama import decoder_layer, paged_attn, rms_norm, rope_inv_freq
+from jaxserve.model.llama import (decoder_layer, embed_tokens, paged_attn, rms_norm,
+                                  rope_inv_freq)
 
 
-def embed_fn(embed: jax.Array, input_ids: jax.Array) -> jax.Array:
-    """Token embedding: embed [V, E] gathered at input_ids i32[T] -> [T, E]."""
-    return embed[input_ids]
+def embed_fn(cfg: ModelConfig, embed: jax.Array, input_ids: jax.Array) -> jax.Array:
+    """Token embedding: embed [V, E] gathered at input_ids i32[T] -> [T, E] (scaled by
+    sqrt(E) for Gemma, `llama.embed_tokens`)."""
+    return embed_tokens(cfg, embed, input_ids)
 
 
 def layers_fn(cfg: ModelConfig, backend: AttentionBackend, layer_params: list, k_caches: list,
               v_caches: list, x: jax.Array, positions: jax.Array, attn_md: Any,
-              lora_slots: jax.Array | None = None) -> tuple[jax.Array, list, list]:
+              layer_ids: jax.Array, lora_slots: jax.Array | None = None
+              ) -> tuple[jax.Array, list, list]:
     """G decoder layers on x [T, E]: layer_params is a list of G per-layer weight dicts
     (`prepare_params(unroll_layers=True)`'s), k_caches / v_caches lists of their G
-    caches, each [N, B, K, D] in cfg.dtype (donate them); lora_slots i32[T] or None
-    (`jaxserve.model.lora`). Returns (x [T, E], the G new
-    K caches, the G new V caches)."""
+    caches, each [N, B, K, D] in cfg.dtype (donate them), layer_ids i32[G] their
+    indices in the model (a layer's sliding window and RoPE table). Returns (x [T, E],
+    the G new K caches, the G new V caches)."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     attn = paged_attn(cfg, attn_md, backend)
     ks, vs = [], []
-    for lp, kc, vc in zip(layer_params, k_caches, v_caches, strict=True):
+    for i, (lp, kc, vc) in enumerate(zip(layer_params, k_caches, v_caches, strict=True)):
         x, (kc, vc) = decoder_layer(cfg, x, lp, positions, inv_freq, attn, (kc, vc), None,
-                                    lora_slots)
+                                    layer_index=layer_ids[i], lora_slots=lora_slots)
         ks.append(kc)
         vs.append(vc)
     return x, ks, vs
+
+
+def group_layer_ids(num_layers: int, group: int, sharding: Any = None) -> tuple[jax.Array, ...]:
+    """The layer indices i32[G] of each G-layer group, as device arrays (made once;
+    placed with `sharding` under a mesh)."""
+    return tuple(jax.device_put(np.arange(s, s + group, dtype=np.int32), sharding)
+                 for s in range(0, num_layers, group))
 
 
 def final_fn(cfg: ModelConfig, final_norm: jax.Array, x: jax.Array, logits_indices: jax.Array
@@ -81,14 +94,22 @@ class LayerStackProgram:
     layers: Any
     final: Any
     group: int
+    # i32[G] device arrays, the layer indices of each group (`group_layer_ids`), made on
+    # the first call with the sharding the compiled layers program takes them in
+    layer_ids: tuple = ()
 
     def __call__(self, params: dict, kv_cache: tuple, batch: Any) -> tuple[Any, tuple, Any]:
         x = self.embed(params["embed"], batch.input_ids)
         ks, vs = list(kv_cache[0]), list(kv_cache[1])
         lps, g = params["layers"], self.group
-        for s in range(0, len(lps), g):
+        if not self.layer_ids:
+            shardings = getattr(self.layers, "input_shardings", None)
+            object.__setattr__(self, "layer_ids", group_layer_ids(
+                len(lps), g, shardings[0][-1] if shardings else None))
+        ids = self.layer_ids
+        for j, s in enumerate(range(0, len(lps), g)):
             x, ks[s:s + g], vs[s:s + g] = self.layers(lps[s:s + g], ks[s:s + g], vs[s:s + g], x,
-                                                      batch.positions, batch.attn_md,
+                                                      batch.positions, batch.attn_md, ids[j],
                                                       batch.lora_slots)
         rows, hidden = self.final(params["final_norm"], x, batch.logits_indices)
         return rows, (tuple(ks), tuple(vs)), hidden

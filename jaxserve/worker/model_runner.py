@@ -142,7 +142,7 @@ class ModelRunner:
             emb_sh, lay_sh, fin_sh = self._group_shardings()
             # functools.partial: a callable of this runner's own, as the other programs
             # (JAX's in-memory caches are per callable; the compile accounting is per runner)
-            self._embed_jit = jax.jit(functools.partial(embed_fn), **emb_sh)
+            self._embed_jit = jax.jit(functools.partial(embed_fn, self.model_cfg), **emb_sh)
             self._layers_jit = jax.jit(functools.partial(layers_fn, self.model_cfg, self.backend),
                                        donate_argnums=(1, 2), **lay_sh)
             self._final_jit = jax.jit(functools.partial(final_fn, self.model_cfg), **fin_sh)
@@ -199,7 +199,7 @@ class ModelRunner:
         g, r, kv = self.group, self.tp.replicated, self.tp.kv_layer_sharding
         lps = jax.tree.map(lambda a: a.sharding, self.params["layers"][:g])
         return (dict(in_shardings=(self.params["embed"].sharding, r), out_shardings=r),
-                dict(in_shardings=(lps, [kv] * g, [kv] * g, r, r, r, r),
+                dict(in_shardings=(lps, [kv] * g, [kv] * g, r, r, r, r, r),
                      out_shardings=(r, [kv] * g, [kv] * g)),
                 dict(in_shardings=(r, r, r), out_shardings=(r, r)))
 
@@ -435,7 +435,9 @@ class ModelRunner:
         return {"embed": (self._embed_jit, (p["embed"], host.input_ids)),
                 "layers": (self._layers_jit, (p["layers"][:g], list(self._kv_specs[0][:g]),
                                               list(self._kv_specs[1][:g]), x, host.positions,
-                                              host.attn_md, host.lora_slots)),
+                                              host.attn_md,
+                                              jax.ShapeDtypeStruct((g,), jnp.int32),
+                                              host.lora_slots)),
                 "final": (self._final_jit, (p["final_norm"], x, host.logits_indices))}
 
     def _compile(self, family: str, size: int, fn: Any, args: tuple) -> tuple[Any, str]:

@@ -49,12 +49,31 @@ def _stack_fn(cfg: ModelConfig, backend: AttentionBackend, params, kv_cache, bat
     return hidden[batch.logits_indices], kv_cache, hidden
 
 
+# Rows of one chunk of the score program: its f32 logits stay under ~32 MiB (Gemma 3's
+# 262,144-token vocabulary would otherwise hold T_pad x 1 MiB: 256 MiB at T_pad 256).
+SCORE_CHUNK_ELEMENTS = 1 << 23
+
+
 def _score_fn(cfg: ModelConfig, k: int, params, hidden, targets):
     """Score program (one per T_pad, only in steps with scoring rows): LM head over every
     hidden row [T_pad, E], log_softmax, then each row's target logprob f32[T_pad] and the
     top-k ids i32[T_pad, k] / logprobs f32[T_pad, k] (k = max_logprobs; raw logprobs, as
-    vLLM's prompt_logprobs). `targets` i32[T_pad] (`jaxserve.worker.scoring.ScoringPlan`)."""
-    logits = compute_logits(cfg, params, hidden)  # f32[T_pad, V]
+    vLLM's prompt_logprobs). `targets` i32[T_pad] (`jaxserve.worker.scoring.ScoringPlan`).
+    When T_pad x V exceeds SCORE_CHUNK_ELEMENTS the rows go through in chunks
+    (`lax.map`), so the logits held at once are bounded whatever the vocabulary."""
+    t, rows = hidden.shape[0], max(1, SCORE_CHUNK_ELEMENTS // cfg.vocab_size)
+    if t > rows:
+        pad = -t % rows
+        h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, rows, hidden.shape[1])
+        tg = jnp.pad(targets, (0, pad)).reshape(-1, rows)
+        out = jax.lax.map(lambda a: _score_rows(cfg, k, params, *a), (h, tg))
+        return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:t], out)
+    return _score_rows(cfg, k, params, hidden, targets)
+
+
+def _score_rows(cfg: ModelConfig, k: int, params, hidden, targets):
+    """`_score_fn` on rows hidden [R, E], targets i32[R] at once."""
+    logits = compute_logits(cfg, params, hidden)  # f32[R, V]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [T_pad]
     tgt = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
     if k == 0:

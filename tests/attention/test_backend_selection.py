@@ -133,6 +133,8 @@ class _FakeGpu:
     ("float32", 128, "auto", "pallas_triton"),  # Mosaic spills there (68 B), Triton does not
     ("float32", 128, "pallas", "pallas_triton"),
     ("float32", 128, "pallas_triton", "pallas_triton"),
+    ("bfloat16", 128, "auto", "pallas_mosaic"),
+    ("bfloat16", 256, "auto", "pallas_triton"),  # Gemma 3 (issue 31): 560 B of spills
 ])
 def test_hopper_takes_triton_where_mosaic_would_spill(dtype, head_dim, name, want):
     cfg = ModelConfig.tiny(head_dim=head_dim, dtype=dtype)

@@ -146,3 +146,6 @@ def test_choose_block_q_by_bucket_kind():
     assert choose_block_q(512, 64, 3) == 16
     assert choose_block_q(8, 8, 1) == 16
     assert choose_block_q(64, 4, 8) == 8
+    # f32 above head_dim 128 keeps the 16-row tile (the 64-row one spills, issue 31)
+    assert choose_block_q(64, 8, 4, head_dim=256, dtype="float32") == 4
+    assert choose_block_q(64, 8, 4, head_dim=256, dtype="bfloat16") == 16

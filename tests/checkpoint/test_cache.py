@@ -244,3 +244,22 @@ def test_load_tokenizer_uses_cache_entry(tmp_path, monkeypatch):
     assert tok2.encode("the red fox, 2024!") == tok1.encode("the red fox, 2024!")
     with pytest.raises(AssertionError, match="conversion ran"):  # no entry -> parses the file
         load_tokenizer(TINY_GGUF_F32, cache_dir=tmp_path / "empty")
+
+
+def test_hash_memo_write_cut_short_by_a_kill_is_cleaned_up(tmp_path):
+    """A process killed between the memo's temporary write and its rename leaves
+    `hashes.tmp<pid>`; the next memo write removes it (a live writer's is kept)."""
+    src = tmp_path / "weights.bin"
+    src.write_bytes(b"abc")
+    caches = tmp_path / "params"
+    caches.mkdir()
+    dead = caches / "hashes.tmp999999999"  # no such pid
+    dead.write_text("{")
+    live = caches / f"hashes.tmp{os.getpid()}x"  # not a pid: stale too
+    live.write_text("{")
+    mine = caches / f"hashes.tmp{os.getppid()}"  # a live process's: kept
+    mine.write_text("{")
+    import hashlib
+    assert cache.file_digest(src, caches) == hashlib.sha256(b"abc").hexdigest()
+    assert not dead.exists() and not live.exists() and mine.exists()
+    assert json.loads((caches / "hashes.json").read_text())  # the memo itself is intact

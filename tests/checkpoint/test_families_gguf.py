@@ -40,12 +40,13 @@ def test_qwen2_gguf_matches_transformers_gguf_load():
                                   hf["model.layers.1.self_attn.q_proj.weight"].T)
 
 
-def test_qwen2_gguf_sliding_window_rejected(gguf_rewriter):
+def test_qwen2_gguf_sliding_window_loads_on_every_layer(gguf_rewriter):
+    """Issue 31: a GGUF window (no per-layer pattern in the file) slides on every layer,
+    as transformers' Mistral does; gemma3's 5:1 pattern is test_gemma3.py's."""
     path = gguf_rewriter("swa.gguf", src=QWEN2_GGUF, arch="qwen2", fields={
         "qwen2.attention.sliding_window": (32, gguf.GGUFValueType.UINT32)})
-    with pytest.raises(CheckpointError, match=r"swa\.gguf: qwen2\.attention\.sliding_window=32: "
-                                              r"sliding-window attention is not supported"):
-        load_model(path, cache_dir=None, progress=False)
+    cfg, _, _ = load_model(path, cache_dir=None, progress=False)
+    assert cfg.layer_windows == (32,) * cfg.num_hidden_layers
 
 
 def _hf_to_gguf(src, dst, arch: str):

@@ -84,7 +84,7 @@ def test_unsupported_quantization_type(gguf_rewriter):
 def test_wrong_architecture(gguf_rewriter):
     path = gguf_rewriter("q.gguf", arch="gemma")
     with pytest.raises(CheckpointError, match=r"q\.gguf: unsupported architecture.*'gemma'.*"
-                                              r"supported: \['llama', 'qwen2', 'qwen3'\]"):
+                                              r"supported: \['gemma3', 'llama', 'qwen2', 'qwen3'\]"):
         load_model(path, cache_dir=None, progress=False)
 
 

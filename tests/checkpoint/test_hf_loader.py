@@ -106,7 +106,7 @@ def test_wrong_architecture(tmp_path):
     c.update(model_type="gemma", architectures=["GemmaForCausalLM"])
     (d / "config.json").write_text(json.dumps(c))
     with pytest.raises(CheckpointError, match=r"config\.json.*unsupported architecture.*'gemma'.*"
-                                              r"supported model_type: \['llama', 'mistral', 'qwen2'"):
+                                              r"supported model_type: \['gemma3_text', 'llama', 'mistral', 'qwen2'"):
         load_model(d, cache_dir=None, progress=False)
     # A known model_type whose class is another one is just as unsupported.
     c.update(model_type="llama", architectures=["LlamaForSequenceClassification"])

@@ -240,11 +240,11 @@ def _lower_sharded_stack(kernel: str, tp: int, *, per_layer: bool = False) -> st
         caches = [sds((blocks, 16, mc.num_key_value_heads, 64), jnp.bfloat16, sharding=kvl)] * L
         x = sds((t, mc.hidden_size), jnp.bfloat16, sharding=rep)
         fn = jax.jit(functools.partial(layers_fn, mc, be), donate_argnums=(1, 2),
-                     in_shardings=(p_sh["layers"], [kvl] * L, [kvl] * L, rep, rep, rep),
+                     in_shardings=(p_sh["layers"], [kvl] * L, [kvl] * L, rep, rep, rep, rep),
                      out_shardings=(rep, [kvl] * L, [kvl] * L))
         with jax.sharding.use_abstract_mesh(mesh):
             return fn.trace(p_spec["layers"], caches, caches, x, batch.positions,
-                            batch.attn_md).lower(lowering_platforms=("cuda",)).as_text()
+                            batch.attn_md, i32(L)).lower(lowering_platforms=("cuda",)).as_text()
     fn = jax.jit(functools.partial(_stack_fn, mc, be), donate_argnums=(1,),
                  in_shardings=(p_sh, (kv, kv), rep), out_shardings=(rep, (kv, kv), rep))
     with jax.sharding.use_abstract_mesh(mesh):

@@ -364,3 +364,26 @@ def test_row_blocked_sample_equals_one_block_at_64_rows():
     assert int(got.token_ids[5]) == 3 and int(got.token_ids[5 + 40]) == 3  # the bias wins
     hlo = jax.jit(functools.partial(sample, max_logprobs=NLP)).lower(logits, md).as_text()
     assert "while" in hlo  # the blocked walk is in the program
+
+
+def test_unwritten_history_and_bitmask_are_shared_constants_sent_once():
+    """No penalised row: the token history is one shared read-only array of -1 (no grammar
+    row: the bitmask too), which `TensorParallel.put_batch` copies to the device once;
+    a penalised row gets a fresh history holding its prompt and outputs."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.distributed.tensor_parallel import TensorParallel
+
+    a = make_sampling_metadata([_row(), None], num_rows=4, max_model_len=M, vocab_size=V)
+    b = make_sampling_metadata([_row(seed=5)], num_rows=4, max_model_len=M, vocab_size=V)
+    assert a.token_history is b.token_history and a.allowed_bitmask is b.allowed_bitmask
+    assert not a.token_history.flags.writeable and (a.token_history == -1).all()
+    assert a.allowed_bitmask.shape == (4, (V + 31) // 32) and (a.allowed_bitmask == -1).all()
+    c = make_sampling_metadata([_row(out=(7,), repetition_penalty=1.3)], num_rows=4,
+                               max_model_len=M, vocab_size=V)
+    assert c.token_history.flags.writeable
+    assert list(c.token_history[0, :4]) == [1, 2, 3, 7] and (c.token_history[1:] == -1).all()
+    tp = TensorParallel(ModelConfig.tiny(), 1)
+    da, db = tp.put_batch(a), tp.put_batch(b)
+    assert da.token_history is db.token_history  # the same device buffer, not a new copy
+    assert da.temperature is not db.temperature
+    np.testing.assert_array_equal(np.asarray(da.token_history), a.token_history)

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.attention.kernels.online_softmax import init_state, normalize, online_softmax_step
-from jaxserve.attention.kernels.tiling import next_pow2  # noqa: F401 - re-exported
+from jaxserve.attention.kernels.tiling import next_pow2, window_scalar  # noqa: F401 - re-exported
 
 
 # ----------------------------------------------------------------------------
@@ -38,6 +38,7 @@ from jaxserve.attention.kernels.tiling import next_pow2  # noqa: F401 - re-expor
 # ----------------------------------------------------------------------------
 
 def _rpa_kernel(layer_ref,  # i32[1]
+                window_ref,  # i32[1] keys a query sees, itself included (sliding window)
                 tile_seq_ref, tile_q_start_ref, tile_pos0_ref, tile_kv_end_ref,  # i32[NT]
                 block_table_ref,  # i32[S, P_pad]
                 q_ref,  # [K, (T + block_q) * Gp, D], row = token * Gp + head-in-group
@@ -51,6 +52,8 @@ def _rpa_kernel(layer_ref,  # i32[1]
     pos0 = tile_pos0_ref[tile]
     kv_end = tile_kv_end_ref[tile]
     layer = layer_ref[0]
+    window = window_ref[0]
+    kv_lo = jnp.maximum(pos0 - window + 1, 0)  # the first key any row of the tile sees
     m_rows = block_q * group_pad
     chunk = pages_per_chunk * block_size
 
@@ -65,13 +68,15 @@ def _rpa_kernel(layer_ref,  # i32[1]
         k = k_ref[layer, rows, kvh, :]  # [CK, D]
         v = v_ref[layer, rows, kvh, :]  # [CK, D]
         s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * sm_scale
-        key_ok = kpos < kv_end  # [CK]; slots past the end may hold garbage/NaN
-        valid = (kpos[None, :] <= row_pos[:, None]) & key_ok[None, :]  # [M, CK] causal
+        key_ok = (kpos < kv_end) & (kpos >= kv_lo)  # [CK]; slots outside may hold NaN
+        valid = ((kpos[None, :] <= row_pos[:, None]) & (kpos[None, :] > row_pos[:, None] - window)
+                 & key_ok[None, :])  # [M, CK] causal, within the window
         v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))  # 0 * NaN would leak
         return online_softmax_step(state, s, valid, lambda p: plgpu.dot(
             p.astype(v.dtype), v, precision=precision).astype(jnp.float32))
 
-    acc, _, l_i = lax.fori_loop(0, pl.cdiv(kv_end, chunk), body,
+    # Chunks wholly before the window are not read.
+    acc, _, l_i = lax.fori_loop(kv_lo // chunk, pl.cdiv(kv_end, chunk), body,
                                 init_state((m_rows,), q.shape[-1]))
     o_ref[...] = normalize(acc, l_i).astype(o_ref.dtype)  # rows with no key (padding) -> 0
 
@@ -95,7 +100,7 @@ def check_kernel_shapes(*, head_dim: int, num_queries_per_kv: int, block_q: int,
 def ragged_paged_attention(q, k_cache, v_cache, layer, block_table, tile_seq, tile_q_start,
                            tile_pos0, tile_kv_end, token_out_row, *, sm_scale: float,
                            block_q: int, pages_per_chunk: int, num_warps: int = 4,
-                           num_stages: int = 2, interpret: bool = False):
+                           num_stages: int = 2, interpret: bool = False, sliding_window=None):
     """Ragged paged attention over a stacked KV cache (Pallas, Triton backend).
 
     Args:
@@ -112,6 +117,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, block_table, tile_seq, ti
       pages_per_chunk: KV pages loaded per inner-loop step (static).
       num_warps, num_stages: Triton launch parameters.
       interpret: run the kernel with the Pallas interpreter (CPU tests).
+      sliding_window: i32 scalar (data) or None: a query at position p sees keys at
+        positions > p - sliding_window only; pages wholly before that are not read.
 
     Returns:
       [T, H, D] in q.dtype. Rows of tokens that belong to no sequence are 0.
@@ -139,6 +146,7 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, block_table, tile_seq, ti
     kc = k_cache.reshape(n_layers, n_blocks * bs, kh, d)
     vc = v_cache.reshape(n_layers, n_blocks * bs, kh, d)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    window = window_scalar(sliding_window).reshape(1)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         _rpa_kernel, sm_scale=float(sm_scale), block_q=block_q, group_pad=gp, block_size=bs,
@@ -147,14 +155,14 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, block_table, tile_seq, ti
     o = pl.pallas_call(
         kernel,
         grid=(nt, kh),
-        in_specs=[whole] * 9,
+        in_specs=[whole] * 10,
         out_specs=pl.BlockSpec((None, None, m_rows, d), lambda i, k: (i, k, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((nt, kh, m_rows, d), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=(f"ragged_paged_attention_bq{block_q}_gp{gp}_ppc{pages_per_chunk}_bs{bs}_d{d}"
               f"_w{num_warps}"),
-    )(layer, tile_seq, tile_q_start, tile_pos0, tile_kv_end, block_table, qg, kc, vc)
+    )(layer, window, tile_seq, tile_q_start, tile_pos0, tile_kv_end, block_table, qg, kc, vc)
     # [NT, K, block_q, Gp, D] -> per-token rows [T, K, Gp, D] -> [T, H, D]
     o = o.reshape(nt, kh, block_q, gp, d)
     row = jnp.maximum(token_out_row, 0)

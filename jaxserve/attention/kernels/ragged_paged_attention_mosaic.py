@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.attention.kernels.tiling import next_pow2  # noqa: F401 - re-exported
+from jaxserve.attention.kernels.tiling import next_pow2, window_scalar  # noqa: F401 - re-exported
 from jaxserve.attention.kernels.ragged_paged_attention_mosaic_kernel import (KernelStatic, kernel_scratch,
                                                                 rpa_kernel)
 
@@ -115,12 +115,17 @@ def default_tiles(num_queries_per_kv: int, block_size: int, *, head_dim: int = 1
 # The largest head_dim whose f32 kernel compiles without register spills at the
 # default tiles (D = 128: 68 B of spills at M = 64, CK = 64; measured deviceless).
 F32_MAX_HEAD_DIM = 64
+# The same for bf16: D = 256 (Gemma 3) holds O [64, 256] f32 in one warpgroup's registers
+# and spills (255 registers, 560 B of spill stores at M = 64, CK = 64; deviceless ptxas for
+# sm_90a, issue 31); D = 128 does not.
+BF16_MAX_HEAD_DIM = 128
 
 
 def spill_free(head_dim: int, dtype) -> bool:
     """Whether `default_tiles` compile without register spills for this head_dim and
-    dtype on sm_90a (bf16: every head_dim the kernel takes; f32: up to 64)."""
-    return jnp.dtype(dtype) != jnp.dtype(jnp.float32) or head_dim <= F32_MAX_HEAD_DIM
+    dtype on sm_90a (bf16: up to 128; f32: up to 64)."""
+    f32 = jnp.dtype(dtype) == jnp.dtype(jnp.float32)
+    return head_dim <= (F32_MAX_HEAD_DIM if f32 else BF16_MAX_HEAD_DIM)
 
 
 def smem_bytes(tiles: MosaicTiles, *, num_queries_per_kv: int, block_size: int, head_dim: int,
@@ -184,7 +189,8 @@ def _interpret_params(interpret):
 def ragged_paged_attention_mosaic(q, k_cache, v_cache, layer, block_table, tile_seq,
                                   tile_q_start, tile_pos0, tile_kv_end, token_out_row, *,
                                   sm_scale: float, tiles: MosaicTiles,
-                                  interpret: bool | plgpu.InterpretGPUParams = False):
+                                  interpret: bool | plgpu.InterpretGPUParams = False,
+                                  sliding_window=None):
     """Ragged paged attention over a stacked KV cache (Pallas, Mosaic GPU backend).
 
     Args:
@@ -198,6 +204,8 @@ def ragged_paged_attention_mosaic(q, k_cache, v_cache, layer, block_table, tile_
       sm_scale: softmax scale; tiles: static `MosaicTiles`.
       interpret: True (or an `plgpu.InterpretGPUParams`, e.g. with detect_races) runs
         the kernel in Pallas' GPU interpreter on CPU.
+      sliding_window: i32 scalar (data) or None: a query at position p sees keys at
+        positions > p - sliding_window only; chunks wholly before that are not loaded.
 
     Returns:
       [T, H, D] in q.dtype; rows of tokens in no sequence are 0.
@@ -238,7 +246,7 @@ def ragged_paged_attention_mosaic(q, k_cache, v_cache, layer, block_table, tile_
         grid=(nt, kh), grid_names=("tile", "kv_head"), **wgs,
         interpret=_interpret_params(interpret),
         kernel_name=f"ragged_paged_attention_mosaic_bq{bq}_gp{gp}_ck{st.ck}_d{d}",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), tile_seq, tile_pos0, tile_kv_end, block_table,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), window_scalar(sliding_window).reshape(1), tile_seq, tile_pos0, tile_kv_end, block_table,
       qg, k_cache, v_cache)
     # [NT, K, block_q, Gp, D] -> per-token rows [T, K, Gp, D] -> [T, H, D]
     o = o.reshape(nt, kh, bq, gp, d)

@@ -101,37 +101,42 @@ def _mma(st: KernelStatic, a, b, *, shape, b_t: bool):
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
-def _zero_keys_past(st: KernelStatic, v, kv_end, c):
-    """v [CK, D] (registers) with rows of keys >= kv_end set to 0 (they may hold NaN)."""
+def _zero_keys_outside(st: KernelStatic, v, kv_lo, kv_end, c):
+    """v [CK, D] (registers) of chunk c with rows of keys outside [kv_lo, kv_end) set to 0
+    (past the end or before the sliding window: they may hold NaN)."""
     key = c * st.ck + plgpu.broadcasted_iota(jnp.int32, (st.ck, st.d), 0, layout=plgpu.Layout.WGMMA)
-    return jnp.where(key < kv_end, v, jnp.zeros_like(v))
+    return jnp.where((key < kv_end) & (key >= kv_lo), v, jnp.zeros_like(v))
 
 
 def _bcast(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _chunk(st: KernelStatic, sc, c, carry, *, kv_end, row_pos, release):
-    """One KV chunk of the online softmax; `release(slot)` frees the slot for the producer."""
+def _chunk(st: KernelStatic, sc, i, carry, *, c0, kv_lo, kv_end, window, row_pos, release):
+    """The i-th KV chunk (chunk c0 + i of the sequence) of the online softmax;
+    `release(slot)` frees the slot for the producer."""
     acc, m_i, l_i = carry
-    slot = lax.rem(c, st.depth)
+    slot = lax.rem(i, st.depth)
+    c = c0 + i
     plgpu.barrier_wait(sc["kv_bar"].at[slot])
     if st.split:  # f32: stage into bf16 hi/lo copies; the f32 slot is free right after
         _split_store(sc["k"].at[slot][...], sc["k2"])
-        _split_store(_zero_keys_past(st, sc["v"].at[slot][...], kv_end, c), sc["v2"])
+        _split_store(_zero_keys_outside(st, sc["v"].at[slot][...], kv_lo, kv_end, c), sc["v2"])
         plgpu.commit_smem()
         release(slot)
         q, k, v = sc["q2"], sc["k2"], sc["v2"]
     else:
-        @pl.when(c * st.ck + st.ck > kv_end)  # only the last chunk holds keys past the end
+        # only the last chunk holds keys past the end, the first keys before the window
+        @pl.when((c * st.ck + st.ck > kv_end) | (c * st.ck < kv_lo))
         def _():
-            sc["v"].at[slot][...] = _zero_keys_past(st, sc["v"].at[slot][...], kv_end, c)
+            sc["v"].at[slot][...] = _zero_keys_outside(st, sc["v"].at[slot][...], kv_lo, kv_end, c)
             plgpu.commit_smem()
         q, k, v = sc["q"], sc["k"].at[slot], sc["v"].at[slot]
     s = _mma(st, q, k, shape=(st.m, st.ck), b_t=True) * st.sm_scale  # [M, CK] f32
     key = c * st.ck + plgpu.broadcasted_iota(jnp.int32, (st.m, st.ck), 1,
                                              layout=plgpu.Layout.WGMMA)
-    valid = (key <= row_pos) & (key < kv_end)  # causal, and nothing past the tile's end
+    # causal, within the window, and nothing past the tile's end
+    valid = (key <= row_pos) & (key > row_pos - window) & (key < kv_end)
     s = jnp.where(valid, s, MASK_VALUE)
     m_new = jnp.maximum(m_i, s.max(axis=1))
     alpha = jnp.exp(m_i - m_new)
@@ -150,24 +155,24 @@ def _chunk(st: KernelStatic, sc, c, carry, *, kv_end, row_pos, release):
 
 def _consumer(st: KernelStatic, sc, refs, *, issue):
     """The compute warpgroup: Q load, the chunk loop, the normalized tile store."""
-    _, _, pos0_ref, kvend_ref, _, q_ref, _, _, o_ref = refs
+    _, window_ref, _, pos0_ref, kvend_ref, _, q_ref, _, _, o_ref = refs
     tile, kvh = lax.axis_index("tile"), lax.axis_index("kv_head")
-    kv_end, pos0 = kvend_ref[tile], pos0_ref[tile]
-    n_chunks = lax.div(kv_end + (st.ck - 1), st.ck)
+    kv_end, pos0, window = kvend_ref[tile], pos0_ref[tile], window_ref[0]
+    kv_lo, c0, n_chunks = _chunk_range(st, pos0, kv_end, window)
     plgpu.copy_gmem_to_smem(q_ref.at[kvh, tile], sc["q"], sc["q_bar"].at[0])
     if issue is not None:  # one warpgroup: prefetch the first `depth` chunks itself
-        for c in range(st.depth):
-            pl.when(c < n_chunks)(functools.partial(issue, c, c))
+        for i in range(st.depth):
+            pl.when(i < n_chunks)(functools.partial(issue, c0 + i, i))
     plgpu.barrier_wait(sc["q_bar"].at[0])
     if st.split:
         _split_store(sc["q"][...], sc["q2"])
         plgpu.commit_smem()
 
-    def release(slot, c):
-        if issue is not None:  # refill the slot with chunk c + depth
-            pl.when(c + st.depth < n_chunks)(lambda: issue(c + st.depth, slot))
+    def release(slot, i):
+        if issue is not None:  # refill the slot with the chunk `depth` further on
+            pl.when(i + st.depth < n_chunks)(lambda: issue(c0 + i + st.depth, slot))
         else:
-            pl.when(c + st.depth < n_chunks)(lambda: plgpu.barrier_arrive(sc["free_bar"].at[slot]))
+            pl.when(i + st.depth < n_chunks)(lambda: plgpu.barrier_arrive(sc["free_bar"].at[slot]))
 
     rows = plgpu.broadcasted_iota(jnp.int32, (st.m, st.ck), 0, layout=plgpu.Layout.WGMMA)
     row_pos = pos0 + lax.div(rows, st.gp)
@@ -176,9 +181,9 @@ def _consumer(st: KernelStatic, sc, refs, *, issue):
             plgpu.layout_cast(jnp.full((st.m,), MASK_VALUE, jnp.float32), wg_row),
             plgpu.layout_cast(jnp.zeros((st.m,), jnp.float32), wg_row))
 
-    def body(c, carry):
-        return _chunk(st, sc, c, carry, kv_end=kv_end, row_pos=row_pos,
-                      release=lambda slot: release(slot, c))
+    def body(i, carry):
+        return _chunk(st, sc, i, carry, c0=c0, kv_lo=kv_lo, kv_end=kv_end, window=window,
+                      row_pos=row_pos, release=lambda slot: release(slot, i))
 
     acc, _, l_i = lax.fori_loop(0, n_chunks, body, init)
     l_i = jnp.where(l_i > 0.0, l_i, 1.0)  # rows with no key (padding tiles) -> 0, not NaN
@@ -188,20 +193,28 @@ def _consumer(st: KernelStatic, sc, refs, *, issue):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _producer(st: KernelStatic, sc, issue, n_chunks):
+def _chunk_range(st: KernelStatic, pos0, kv_end, window):
+    """(kv_lo, c0, n): the first key any row of the tile sees under the sliding window,
+    the chunk holding it, and the chunks from there to kv_end (those before are skipped)."""
+    kv_lo = jnp.maximum(pos0 - window + 1, 0)
+    c0 = lax.div(kv_lo, st.ck)
+    return kv_lo, c0, jnp.maximum(lax.div(kv_end + (st.ck - 1), st.ck) - c0, 0)
+
+
+def _producer(st: KernelStatic, sc, issue, c0, n_chunks):
     """The copy warpgroup (num_warpgroups=2): fill each slot once the consumer frees it."""
     @pl.loop(0, n_chunks)
-    def _(c):
-        slot = lax.rem(c, st.depth)
-        pl.when(c >= st.depth)(lambda: plgpu.barrier_wait(sc["free_bar"].at[slot]))
-        issue(c, slot)
+    def _(i):
+        slot = lax.rem(i, st.depth)
+        pl.when(i >= st.depth)(lambda: plgpu.barrier_wait(sc["free_bar"].at[slot]))
+        issue(c0 + i, slot)
 
 
 def rpa_kernel(*refs, st: KernelStatic, **sc):
     """The kernel body (`plgpu.kernel` over grid (tile, kv_head), scratch from `kernel_scratch`)."""
-    # i32[1], i32[NT] x 3, i32[S, P'], Q tiles [K, NT, M, D], caches [L, N, B, K, D],
-    # output tiles [NT, K, M, D]
-    layer_ref, seq_ref, _, kvend_ref, bt_ref, _, k_ref, v_ref, _ = refs
+    # i32[1] layer, i32[1] window, i32[NT] x 3, i32[S, P'], Q tiles [K, NT, M, D],
+    # caches [L, N, B, K, D], output tiles [NT, K, M, D]
+    layer_ref, window_ref, seq_ref, pos0_ref, kvend_ref, bt_ref, _, k_ref, v_ref, _ = refs
     tile, kvh = lax.axis_index("tile"), lax.axis_index("kv_head")
 
     def issue(c, slot):
@@ -213,5 +226,5 @@ def rpa_kernel(*refs, st: KernelStatic, **sc):
         return
     wg = lax.axis_index("wg")
     pl.when(wg == 0)(lambda: _consumer(st, sc, refs, issue=None))
-    n_chunks = lax.div(kvend_ref[tile] + (st.ck - 1), st.ck)
-    pl.when(wg == 1)(lambda: _producer(st, sc, issue, n_chunks))
+    _, c0, n_chunks = _chunk_range(st, pos0_ref[tile], kvend_ref[tile], window_ref[0])
+    pl.when(wg == 1)(lambda: _producer(st, sc, issue, c0, n_chunks))

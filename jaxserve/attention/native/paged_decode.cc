@@ -12,7 +12,9 @@
 //
 // Operands: q f32[S, K, G, D], kv_len s32[S] (0: not a decode row, output 0),
 //   pages s32[S, P] (page ids of each slot, in [0, N)), k_cache / v_cache f32[L, N, B, K, D],
-//   layer s32[] (in [0, L)). Attributes: sm_scale f32, chunk_pages i64 (> 0).
+//   layer s32[] (in [0, L)), window s32[] (> 0: a slot sees only its last `window` keys,
+//   sliding-window attention; pages wholly before them are not read, keys before them
+//   in the edge page are skipped). Attributes: sm_scale f32, chunk_pages i64 (> 0).
 // Result: f32[S, K, G, D].
 // Errors: kv_len above P * B, a page id or layer out of range -> kOutOfRange (the call fails
 //   with that message instead of reading out of bounds).
@@ -38,7 +40,7 @@ namespace {
 constexpr float kMaskValue = -0.7f * 3.4028234663852886e38f;
 
 struct Shape {
-  int64_t S, K, G, D, P, L, N, B, chunk_pages, n_chunks;
+  int64_t S, K, G, D, P, L, N, B, chunk_pages, n_chunks, window;
   float scale;
 };
 
@@ -77,8 +79,9 @@ void RunTask(const Shape& sh, int64_t s, int64_t c, const float* q, const int32_
   const int64_t B = sh.B;
   const int64_t KG = K * G;
   const int64_t len = kv_len[s];
-  const int64_t k0 = c * sh.chunk_pages * B;
-  const int64_t k1 = std::min(len, k0 + sh.chunk_pages * B);
+  const int64_t lo = std::max<int64_t>(0, len - sh.window);  // first key in the window
+  const int64_t k0 = std::max(lo, c * sh.chunk_pages * B);
+  const int64_t k1 = std::min(len, (c + 1) * sh.chunk_pages * B);
   for (int64_t i = 0; i < KG; ++i) {
     m_out[i] = kMaskValue;
     l_out[i] = 0.f;
@@ -92,16 +95,17 @@ void RunTask(const Shape& sh, int64_t s, int64_t c, const float* q, const int32_
   const float* vl = vc + layer * sh.N * page_floats;
   std::vector<float> sc(static_cast<size_t>(KG * B));  // sc[i * B + b], i = h * G + g
   const int64_t lines_per_key = (row * 4 + 63) / 64;
-  for (int64_t p0 = k0; p0 < k1; p0 += B) {
+  for (int64_t p0 = k0 / B * B; p0 < k1; p0 += B) {
     const int64_t page = pages[s * sh.P + p0 / B];
     const int64_t nb = std::min(B, k1 - p0);
+    const int64_t b0 = std::max<int64_t>(0, k0 - p0);  // keys before the window: skipped
     const float* kp = kl + page * page_floats;
     const float* vp = vl + page * page_floats;
     const bool has_next = p0 + B < k1;
     const int64_t next = has_next ? pages[s * sh.P + p0 / B + 1] : page;
     const char* kn = reinterpret_cast<const char*>(kl + next * page_floats);
     const char* vn = reinterpret_cast<const char*>(vl + next * page_floats);
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = b0; b < nb; ++b) {
       if (has_next) {
         for (int64_t ln = 0; ln < lines_per_key; ++ln) {
           __builtin_prefetch(kn + (b * lines_per_key + ln) * 64);
@@ -122,10 +126,10 @@ void RunTask(const Shape& sh, int64_t s, int64_t c, const float* q, const int32_
     for (int64_t i = 0; i < KG; ++i) {
       float* si = sc.data() + i * B;
       float mx = m_out[i];
-      for (int64_t b = 0; b < nb; ++b) mx = std::max(mx, si[b]);
+      for (int64_t b = b0; b < nb; ++b) mx = std::max(mx, si[b]);
       float lsum = 0.f;
 #pragma omp simd reduction(+ : lsum)
-      for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t b = b0; b < nb; ++b) {
         si[b] = ExpNonPos(si[b] - mx);
         lsum += si[b];
       }
@@ -137,7 +141,7 @@ void RunTask(const Shape& sh, int64_t s, int64_t c, const float* q, const int32_
       l_out[i] = l_out[i] * alpha + lsum;
     }
     // acc[h, g] += sum_b p[h, g, b] v[b, h]: each value row loaded once for its G queries.
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = b0; b < nb; ++b) {
       for (int64_t h = 0; h < K; ++h) {
         const float* vv = vp + b * row + h * D;
         for (int64_t g = 0; g < G; ++g) {
@@ -194,7 +198,8 @@ struct Work {
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> pages,
                            ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
-                           ffi::Buffer<ffi::S32> layer_buf, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                           ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> window_buf,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out,
                            float sm_scale, int64_t chunk_pages) {
   auto qd = q.dimensions();
   auto cd = k_cache.dimensions();
@@ -218,6 +223,11 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "paged_decode: shapes do not agree");
   }
   const int64_t layer = layer_buf.typed_data()[0];
+  sh.window = window_buf.typed_data()[0];
+  if (sh.window <= 0) {
+    return ffi::Error(ffi::ErrorCode::kOutOfRange,
+                      "paged_decode: window " + std::to_string(sh.window) + " must be > 0");
+  }
   if (layer < 0 || layer >= sh.L) {
     return ffi::Error(ffi::ErrorCode::kOutOfRange,
                       "paged_decode: layer " + std::to_string(layer) + " not in [0, " +
@@ -233,7 +243,8 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                             " not in [0, " + std::to_string(sh.P * sh.B) + "]");
     }
     const int64_t np = (len + sh.B - 1) / sh.B;
-    for (int64_t j = 0; j < np; ++j) {
+    const int64_t p_lo = std::max<int64_t>(0, len - sh.window) / sh.B;  // first page read
+    for (int64_t j = p_lo; j < np; ++j) {
       const int64_t p = pg[s * sh.P + j];
       if (p < 0 || p >= sh.N) {
         return ffi::Error(ffi::ErrorCode::kOutOfRange,
@@ -242,7 +253,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       }
     }
     const int64_t nc = (np + chunk_pages - 1) / chunk_pages;
-    for (int64_t c = 0; c < nc; ++c) {
+    for (int64_t c = p_lo / chunk_pages; c < nc; ++c) {
       w->task_row.push_back(s);
       w->task_chunk.push_back(c);
     }
@@ -299,6 +310,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecodeF32, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("chunk_pages"));
