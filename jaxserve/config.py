@@ -457,18 +457,14 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # "full": every program is built before the engine is ready. "progressive": ready once
     # the programs of the token buckets up to 8 tokens (worker.warmup.READY_TOKENS) and the
-    # heads their steps can need are built;
-    # the rest compile in a background thread while steps are capped at the largest
-    # ready bucket (`BucketPolicy.program_stages`).
+    # heads their steps can need are built; the rest compile in a background thread while
+    # steps are capped at the largest ready bucket (`BucketPolicy.program_stages`).
     warmup: Literal["full", "progressive"] = "full"
-    # Threads that build the programs needed before ready (stage 0 of a progressive
-    # warm-up, every program of a full one) at once; XLA:CPU compiles one program on
-    # one core. The background stages use one thread (serving goes on beside them).
+    # Threads that build the programs needed before ready (stage 0 of a progressive warm-up,
+    # every program of a full one) at once; XLA:CPU compiles one program on one core.
     compile_threads: int = 2
-    # LoRA (issue 27, vLLM's names): device slots for adapters (0: LoRA off) and the
-    # largest adapter rank they hold. Every step program carries the slots' A/B.
-    max_loras: int = 0
-    max_lora_rank: int = 16
+    max_loras: int = 0  # LoRA (issue 27, vLLM's name): adapter slots on the device; 0: off
+    max_lora_rank: int = 16  # the largest adapter rank a slot holds (checked by the runner)
     # vLLM's async_scheduling (issue 24): plan and dispatch step n+1 as soon as step n's
     # tokens are back, then process step n's outputs (detokenizer, stop strings,
     # RequestOutputs) while the device runs n+1. Outputs are the same as with it off; a
@@ -486,10 +482,6 @@ class EngineConfig:
                      <= L and L % self.layers_per_program == 0),
                  f"EngineConfig.layers_per_program={self.layers_per_program!r} must be a "
                  f"divisor of num_hidden_layers={L}")
-        _require(isinstance(self.max_loras, int) and self.max_loras >= 0,
-                 f"EngineConfig.max_loras={self.max_loras!r} must be an int >= 0")
-        _require(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1,
-                 f"EngineConfig.max_lora_rank={self.max_lora_rank!r} must be an int >= 1")
         _require(isinstance(self.compile_threads, int) and self.compile_threads >= 1,
                  f"EngineConfig.compile_threads={self.compile_threads!r} must be a positive int")
         _require(self.warmup in ("full", "progressive"),

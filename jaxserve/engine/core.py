@@ -1,23 +1,19 @@
 """LLMEngine: add_request / step / abort over an input processor, the scheduler, a
 runner and an output processor.
 
-One `step()` is one iteration of continuous batching (Orca, OSDI'22; vLLM
-V1's EngineCore): the scheduler plans, the runner executes the plan (one
-bucketed program on the device, or a fake), the scheduler applies the sampled
-tokens and stop rules, and the output processor turns tokens into text,
-logprobs and `RequestOutput`s. The split follows vLLM V1: prompts become
-requests in `jaxserve.engine.input_processor`, outputs are assembled in
-`jaxserve.engine.output_processor`, and the runner sits behind the `Runner`
-protocol (`jaxserve.worker.runner`), so tests and dry runs plug in `FakeRunner`.
+One `step()` is one iteration of continuous batching (Orca, OSDI'22; vLLM V1's
+EngineCore): the scheduler plans, the runner executes the plan (one bucketed program on
+the device, or a fake), the scheduler applies the sampled tokens and stop rules, and the
+output processor turns tokens into text, logprobs and `RequestOutput`s. As in vLLM V1,
+prompts become requests in `jaxserve.engine.input_processor`, outputs are assembled in
+`jaxserve.engine.output_processor`, and the runner sits behind the `Runner` protocol
+(`jaxserve.worker.runner`), so tests plug in `FakeRunner`. LoRA: `jaxserve.engine.lora`.
 
-Structured output (`jaxserve.structured_output`): a request with
-`structured_outputs` is held here, out of the scheduler, until its grammar is
-compiled (a thread pool, cached by spec), then queued with its matcher; the
-batch never waits for a compile. The runner fills each grammar row's bitmask;
-the output processor advances the matcher by each accepted token.
-
-The engine is not thread-safe: call it from one thread (the server runs it
-in its own loop thread); `grammars` (the compiler) is thread-safe.
+Structured output (`jaxserve.structured_output`): a request with `structured_outputs`
+is held here, out of the scheduler, until its grammar is compiled (a thread pool, cached
+by spec), then queued with its matcher; the batch never waits for a compile. The runner
+fills each grammar row's bitmask; the output processor advances the matcher by each
+accepted token. Not thread-safe: call it from one thread (the server's loop thread).
 """
 
 from __future__ import annotations

@@ -40,8 +40,10 @@ class LoRAPool:
     def __init__(self, runner: Any):
         cfg, config = runner.cfg, runner.config
         self.max_loras, self.rank = config.max_loras, config.max_lora_rank
-        if self.rank < 1:
-            raise ValueError(f"max_lora_rank={self.rank} must be >= 1")
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ValueError(f"max_loras={self.max_loras!r} must be an int >= 0")
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"max_lora_rank={self.rank!r} must be an int >= 1")
         if runner.tp.replicas > 1:
             raise ValueError(f"LoRA with tensor_parallel_size={config.tensor_parallel_size} > "
                              f"num_key_value_heads={cfg.num_key_value_heads} is not supported")

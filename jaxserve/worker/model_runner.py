@@ -15,12 +15,10 @@ weight and KV buffers, and a final program: `jaxserve.worker.layer_stack`), and 
 head per seq bucket S_pad (LM head + sampler over the first S_pad gathered rows).
 The two run back to back; the gathered rows stay on the device. All are built
 at warm-up: the analogue of vLLM's CUDA-graph capture sizes, with the split of
-tpu-inference's separate model / compute_logits / sample jits. Holding them
-explicitly makes the accounting exact:
-each is counted as built by XLA or loaded from the persistent compile cache
-(jax's public `jax.monitoring` event '/jax/compilation_cache/cache_hits'), and
-a step whose shape has no program is a counted late compile, logged as the
-bug it is (or refused with `strict_compiles`).
+tpu-inference's separate model / compute_logits / sample jits. Holding them explicitly
+makes the accounting exact: each is counted as built by XLA or loaded from the persistent
+compile cache (jax's `jax.monitoring` event '/jax/compilation_cache/cache_hits'), and a
+step whose shape has no program is a counted late compile (or, `strict_compiles`, refused).
 
 Start-up (issue 12): a "progressive" warm-up (ready at the smallest bucket, `token_cap`
 capped meanwhile); an executable cache (`jaxserve.worker.executable_cache`) for restarts.
