@@ -5,10 +5,11 @@ few token-count buckets that are compiled once at warm-up.
 """
 
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from jaxserve.lora import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "ModelConfig", "CacheConfig",
-           "SchedulerConfig"]
+           "SchedulerConfig", "LoRARequest"]
 
 
 def __getattr__(name):

@@ -126,6 +126,12 @@ flags.DEFINE_bool("enable_auto_tool_choice", True, "vLLM's --enable-auto-tool-ch
                   "tool_choice='auto' parses tool calls (off: it is a 400).")
 flags.DEFINE_enum("reasoning_parser", None, ["qwen3", "deepseek_r1"], "vLLM's "
                   "--reasoning-parser: split <think>...</think> into message.reasoning.")
+flags.DEFINE_integer("max_loras", 0, "LoRA adapter slots on the device (0: LoRA off; vLLM's "
+                     "--max-loras). Every step program carries the slots.")
+flags.DEFINE_integer("max_lora_rank", 16, "Largest LoRA rank a slot holds (vLLM's --max-lora-rank).")
+flags.DEFINE_multi_string("lora_modules", [], "name=path of a PEFT adapter directory to serve "
+                          "as model `name` (repeat the flag; vLLM's --lora-modules). Needs "
+                          "--max_loras >= 1 (default then 1).")
 flags.DEFINE_integer("max_queued_requests", None, "Most requests waiting to be scheduled; past "
                      "it new requests get 503 with Retry-After (default: unbounded).")
 
@@ -147,7 +153,9 @@ def engine_args_from_flags() -> dict[str, Any]:
         # multi-host: the score programs would have to run in lock-step on every process
         enable_prompt_logprobs=FLAGS.enable_prompt_logprobs and FLAGS.num_processes == 1,
         tensor_parallel_size=FLAGS.tensor_parallel_size,
-        kv_cache_memory_bytes=FLAGS.kv_cache_memory_mb * 2**20)
+        kv_cache_memory_bytes=FLAGS.kv_cache_memory_mb * 2**20,
+        max_loras=FLAGS.max_loras or (1 if FLAGS.lora_modules else 0),
+        max_lora_rank=FLAGS.max_lora_rank)
     if FLAGS.max_model_len is not None:
         args["max_model_len"] = FLAGS.max_model_len
     if FLAGS.num_kv_blocks is not None:
@@ -190,12 +198,32 @@ def build_engine(auto_warmup: str = "full"):
     release_host_memory()
     engine.runner.warmup()
     release_host_memory()
+    add_lora_modules(engine, FLAGS.lora_modules)
     if FLAGS.num_processes > 1:  # the leader: each step is broadcast to the followers
         from jaxserve.distributed.multihost import Leader
 
         leader = Leader(engine.runner)  # stops the followers at exit
         engine.runner.set_step_listener(leader.send_step)
     return engine
+
+
+def add_lora_modules(engine: Any, modules: Sequence[str]) -> None:
+    """Register `--lora_modules name=path` adapters (ids 1, 2, ... in flag order).
+
+    Raises:
+      app.UsageError: an entry that is not name=path, or a bad adapter (the message
+        names it and the limit it broke).
+    """
+    from jaxserve.lora import LoRARequest
+
+    for i, entry in enumerate(modules, start=1):
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise app.UsageError(f"--lora_modules={entry!r} must be name=path")
+        try:
+            engine.lora.add_lora(LoRARequest(name, i, path))
+        except ValueError as e:
+            raise app.UsageError(f"--lora_modules={entry!r}: {e}") from e
 
 
 def start_multihost() -> bool:

@@ -394,19 +394,19 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # "full": every program is built before the engine is ready. "progressive": ready once
     # the programs of the token buckets up to 8 tokens (worker.warmup.READY_TOKENS) and the
-    # heads their steps can need are built;
-    # the rest compile in a background thread while steps are capped at the largest
-    # ready bucket (`BucketPolicy.program_stages`).
+    # heads their steps can need are built; the rest compile in a background thread while
+    # steps are capped at the largest ready bucket (`BucketPolicy.program_stages`).
     warmup: Literal["full", "progressive"] = "full"
-    # Threads that build the programs needed before ready (stage 0 of a progressive
-    # warm-up, every program of a full one) at once; XLA:CPU compiles one program on
-    # one core. The background stages use one thread (serving goes on beside them).
+    # Threads that build the programs needed before ready (stage 0 of a progressive warm-up,
+    # every program of a full one) at once; XLA:CPU compiles one program on one core.
     compile_threads: int = 2
     # Weight-only quantization (vLLM's `quantization`): "auto" keeps the checkpoint's own
     # (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks stay blocks; float files stay float),
     # "none" full precision, "int8" (per-channel), "q8_0" (blocks of 32) and "q4" (Q4_1-style
     # blocks of 32) quantize float matrices at load (`jaxserve.model.quant`).
     quantization: Literal["auto", "none", "int8", "q8_0", "q4"] = "auto"
+    max_loras: int = 0  # LoRA (issue 27, vLLM's name): adapter slots on the device; 0: off
+    max_lora_rank: int = 16  # the largest adapter rank a slot holds (checked by the runner)
     # vLLM's async_scheduling (issue 24): plan and dispatch step n+1 as soon as step n's
     # tokens are back, then process step n's outputs (detokenizer, stop strings,
     # RequestOutputs) while the device runs n+1. Outputs are the same as with it off; a

@@ -152,6 +152,24 @@ class LLM:
         the pause mode `in_flight`)."""
         return self.engine.update_params(params, in_flight=in_flight)
 
+    # LoRA (issue 27, vLLM's names; `jaxserve.engine.lora.EngineLoRA`)
+    def add_lora(self, lora_request: Any) -> bool:
+        """Register (load and check) a `LoRARequest`'s adapter; False if already there."""
+        return self.engine.lora.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter (ValueError while a live request uses it)."""
+        return self.engine.lora.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list:
+        """The registered adapters' `LoRARequest`s."""
+        return self.engine.lora.list_loras()
+
+    def update_lora(self, name: str, weights: Any, in_flight: str = "abort") -> int:
+        """Swap only an adapter's A/B (RL sync; no recompile); its new version. `weights`:
+        PEFT's flat state dict or the in-memory tree (`EngineLoRA.update_lora`)."""
+        return self.engine.lora.update_lora(name, weights, in_flight=in_flight)
+
     def pause_generation(self, mode: str = "abort") -> None:
         """Pause the engine between steps (`LLMEngine.pause_generation`, issue 28)."""
         self.engine.pause_generation(mode)
@@ -183,7 +201,7 @@ class LLM:
     def _submit(self, prompts: Prompt | Sequence[Prompt],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                 lengths: Any = None, mask: Any = None,
-                priority: int | Sequence[int] = 0) -> list[str]:
+                priority: int | Sequence[int] = 0, lora_request: Any = None) -> list[str]:
         self._check_awake()
         plist = _prompt_list(prompts, lengths, mask)
         # A scalar priority applies to every prompt; a list gives one per prompt (vLLM).
@@ -196,16 +214,22 @@ class LLM:
             splist = list(sampling_params)
             if len(splist) != len(plist):
                 raise ValueError(f"got {len(splist)} SamplingParams for {len(plist)} prompts")
+        # One LoRARequest (or None: the base model) for all prompts, or one per prompt (vLLM).
+        lrs = list(lora_request) if isinstance(lora_request, (list, tuple)) \
+            else [lora_request] * len(plist)
+        if len(lrs) != len(plist):
+            raise ValueError(f"got {len(lrs)} lora_requests for {len(plist)} prompts")
         ids = []
         try:
-            for i, (p, sp, pr) in enumerate(zip(plist, splist, prlist)):
+            for i, (p, sp, pr, lr) in enumerate(zip(plist, splist, prlist, lrs)):
                 rid = f"gen-{next(self._ids)}"
                 try:
                     if (not isinstance(p, str) and not is_array(p) and len(p) > 0
                             and all(isinstance(m, dict) for m in p)):
-                        self.engine.add_request(rid, params=sp, messages=p, priority=pr)
+                        self.engine.add_request(rid, params=sp, messages=p, priority=pr,
+                                                lora_request=lr)
                     else:
-                        self.engine.add_request(rid, p, sp, priority=pr)
+                        self.engine.add_request(rid, p, sp, priority=pr, lora_request=lr)
                 except ValueError as e:  # name the row of the batch
                     raise ValueError(f"prompts[{i}]: {e}") from e
                 ids.append(rid)
@@ -224,10 +248,12 @@ class LLM:
 
     def generate_stream(self, prompts: Prompt | Sequence[Prompt],
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                        *, priority: int | Sequence[int] = 0) -> Iterator[RequestOutput]:
+                        *, priority: int | Sequence[int] = 0,
+                        lora_request: Any = None) -> Iterator[RequestOutput]:
         """Yield each step's `RequestOutput`s (with deltas) until all prompts finish
-        (`priority` as for `generate`)."""
-        pending = set(self._submit(prompts, sampling_params, priority=priority))
+        (`priority` and `lora_request` as for `generate`)."""
+        pending = set(self._submit(prompts, sampling_params, priority=priority,
+                                   lora_request=lora_request))
         try:
             while pending:
                 for out in self.engine.step():
@@ -243,7 +269,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  prompt_lengths: Any = None, prompt_mask: Any = None,
                  return_arrays: str | None = None, use_tqdm: bool = True,
-                 priority: int | Sequence[int] = 0
+                 priority: int | Sequence[int] = 0, lora_request: Any = None
                  ) -> list[RequestOutput] | tuple[list[RequestOutput], RolloutBatch]:
         """Generate for every prompt; return final outputs in input order.
 
@@ -264,13 +290,18 @@ class LLM:
         first) needs an engine built with scheduling_policy="priority"; under
         "fcfs" a non-zero value is a ValueError, as in vLLM.
 
+        `lora_request` (issue 27): a `jaxserve.LoRARequest` for every prompt, or a list
+        with one per prompt (None: the base model); needs an engine with max_loras > 0.
+        An adapter not yet registered is loaded (`add_lora`) on first use.
+
         Raises:
           ValueError: a bad prompt (the message names the row `prompts[i]` and,
             for a token id, its position) or sampling parameter, a non-prefix
             mask, or a SamplingParams list whose length differs from the
             prompts'; nothing is queued then.
         """
-        ids = self._submit(prompts, sampling_params, prompt_lengths, prompt_mask, priority)
+        ids = self._submit(prompts, sampling_params, prompt_lengths, prompt_mask, priority,
+                           lora_request)
         results = self._drain(ids, "generate", use_tqdm)
         if return_arrays is not None:
             return results, rollout_arrays(results, array=return_arrays)
@@ -296,7 +327,7 @@ class LLM:
 
     def score(self, prompt_ids: Any, completion_ids: Any, *, prompt_lengths: Any = None,
               completion_lengths: Any = None, array: str = "numpy",
-              use_tqdm: bool = False) -> ScoreBatch:
+              use_tqdm: bool = False, lora_request: Any = None) -> ScoreBatch:
         """Teacher-forced logprobs of given completions (RL importance ratios, evaluation).
 
         Row i runs prompt_ids[i] + completion_ids[i] through the same paged engine as
@@ -312,6 +343,7 @@ class LLM:
             integer arrays, or one right-padded int[B, T] array (cut by
             prompt_lengths / completion_lengths, int[B]). One flat list of ints is one row.
           array: "numpy" or "jax" for the returned arrays.
+          lora_request: score under this LoRA adapter (every row; None: the base model).
 
         Returns: `ScoreBatch` (logprobs f32[B, T], mask bool[B, T], lengths i32[B]).
 
@@ -341,7 +373,8 @@ class LLM:
                     continue  # nothing to score: an all-padding row
                 rid = f"score-{next(self._ids)}"
                 try:
-                    self.engine.add_request(rid, p + c, greedy_one, logprob_start=len(p))
+                    self.engine.add_request(rid, p + c, greedy_one, logprob_start=len(p),
+                                            lora_request=lora_request)
                 except ValueError as e:
                     raise ValueError(f"row {i} (prompt_ids[{i}] + completion_ids[{i}]): {e}") from e
                 ids.append(rid)

@@ -62,6 +62,14 @@ LAYER_SPECS: dict[str, P] = {
     "w_gate": P(None, TP_AXIS), "w_up": P(None, TP_AXIS),  # [E, F]
     "w_down": P(TP_AXIS, None),  # [F, E]
 }
+# LoRA pool leaves (issue 27, `jaxserve.model.lora`): A [in, S, r] and B [S, r, out] split
+# like the projection they attach to: B on `out` for a column-parallel one (x @ A is
+# replicated), A on `in` for a row-parallel one (XLA all-reduces x @ A's partial sums).
+for _t, _spec in list(LAYER_SPECS.items()):
+    if _t.startswith("w"):
+        _col = _spec == P(None, TP_AXIS)
+        LAYER_SPECS[f"lora_a_{_t}"] = P(None, None, None) if _col else P(TP_AXIS, None, None)
+        LAYER_SPECS[f"lora_b_{_t}"] = P(None, None, TP_AXIS) if _col else P(None, None, None)
 
 
 def top_specs(vocab_parallel: bool) -> dict[str, P]:

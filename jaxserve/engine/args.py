@@ -25,6 +25,8 @@ def make_engine_config(model: ModelConfig, **engine_args: Any) -> EngineConfig:
         if engine_args.setdefault("policy", policy) != policy:
             raise ValueError(f"scheduling_policy={policy!r} and policy="
                              f"{engine_args['policy']!r} disagree: give one")
+    if engine_args.pop("enable_lora", False):  # vLLM's switch; LoRA is on with max_loras > 0
+        engine_args["max_loras"] = engine_args.get("max_loras") or 1
     if "dtype" in engine_args:  # None keeps the model's (its loader's platform default)
         dtype = engine_args.pop("dtype")
         model = model if dtype is None else model.replace(dtype=dtype)

@@ -1,23 +1,19 @@
 """LLMEngine: add_request / step / abort over an input processor, the scheduler, a
 runner and an output processor.
 
-One `step()` is one iteration of continuous batching (Orca, OSDI'22; vLLM
-V1's EngineCore): the scheduler plans, the runner executes the plan (one
-bucketed program on the device, or a fake), the scheduler applies the sampled
-tokens and stop rules, and the output processor turns tokens into text,
-logprobs and `RequestOutput`s. The split follows vLLM V1: prompts become
-requests in `jaxserve.engine.input_processor`, outputs are assembled in
-`jaxserve.engine.output_processor`, and the runner sits behind the `Runner`
-protocol (`jaxserve.worker.runner`), so tests and dry runs plug in `FakeRunner`.
+One `step()` is one iteration of continuous batching (Orca, OSDI'22; vLLM V1's
+EngineCore): the scheduler plans, the runner executes the plan (one bucketed program on
+the device, or a fake), the scheduler applies the sampled tokens and stop rules, and the
+output processor turns tokens into text, logprobs and `RequestOutput`s. As in vLLM V1,
+prompts become requests in `jaxserve.engine.input_processor`, outputs are assembled in
+`jaxserve.engine.output_processor`, and the runner sits behind the `Runner` protocol
+(`jaxserve.worker.runner`), so tests plug in `FakeRunner`. LoRA: `jaxserve.engine.lora`.
 
-Structured output (`jaxserve.structured_output`): a request with
-`structured_outputs` is held here, out of the scheduler, until its grammar is
-compiled (a thread pool, cached by spec), then queued with its matcher; the
-batch never waits for a compile. The runner fills each grammar row's bitmask;
-the output processor advances the matcher by each accepted token.
-
-The engine is not thread-safe: call it from one thread (the server runs it
-in its own loop thread); `grammars` (the compiler) is thread-safe.
+Structured output (`jaxserve.structured_output`): a request with `structured_outputs`
+is held here, out of the scheduler, until its grammar is compiled (a thread pool, cached
+by spec), then queued with its matcher; the batch never waits for a compile. The runner
+fills each grammar row's bitmask; the output processor advances the matcher by each
+accepted token. Not thread-safe: call it from one thread (the server's loop thread).
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ from typing import Any, Sequence
 from jaxserve.config import EngineConfig
 from jaxserve.engine.args import _eos_token_ids
 from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
+from jaxserve.engine.lora import EngineLoRA
 from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
 from jaxserve.engine.pause import Pauser, check_mode
 from jaxserve.engine.provenance import WeightProvenance
@@ -101,6 +98,7 @@ class LLMEngine:
                              lambda: self._step(overlap=False))  # issue 28
         self.provenance = WeightProvenance()  # issue 28: token_weight_versions
         self.sleeper = Sleeper(self.scheduler, self.pauser, self.runner)  # issue 28: sleep
+        self.lora = EngineLoRA(self)  # issue 27: adapters, slots, update_lora
         self.grammars = None  # structured_output.GrammarCompiler (llguidance), with a tokenizer
         if tokenizer is not None:
             from jaxserve.structured_output import GrammarCompiler
@@ -116,8 +114,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
                     params: SamplingParams | None = None, *,
                     messages: Sequence[dict[str, Any]] | None = None, priority: int = 0,
-                    arrival_time: float | None = None, logprob_start: int | None = None
-                    ) -> list[int]:
+                    arrival_time: float | None = None, logprob_start: int | None = None,
+                    lora_request: Any = None) -> list[int]:
         """Queue a request; return its prompt token ids.
 
         A request with `structured_outputs` whose grammar is still compiling is held
@@ -140,6 +138,7 @@ class LLMEngine:
         p = self.inputs.process(request_id, prompt, params, messages=messages, priority=priority,
                                 arrival_time=arrival_time, live_ids=self.outputs.live_ids(),
                                 logprob_start=logprob_start)
+        self.lora.attach(p.children, lora_request)  # its adapter's slot (None: base model)
         so = p.children[0].sampling_params.structured_outputs
         if so is not None:
             if self.grammars is None:

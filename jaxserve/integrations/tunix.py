@@ -12,6 +12,13 @@ its `RolloutOutput`; otherwise the local `RolloutOutput` below, which has the
 same fields (google-tunix 0.1.7). `get_per_token_logps` runs teacher-forced
 scoring through the same paged engine (`LLM.score`). Not supported:
 `RolloutOutput.logits` (per-step full logits) is always an empty list.
+
+LoRA (issue 27): with `lora_request` the rollouts and the scoring run on that adapter,
+and `update_params(lora_params, filter_types=...)` (Tunix's LoRA-only sync) swaps only
+its A/B with `LLM.update_lora` (no recompile). The tree is read as
+`jaxserve.lora.adapter.from_tree` reads it (our {target: {lora_a, lora_b}} or PEFT's
+flat state dict); `lora_tree` maps another layout (e.g. qwix's LoRA params of a Tunix
+model) into it.
 """
 
 from __future__ import annotations
@@ -75,11 +82,19 @@ class JaxserveRollout:
       llm: the engine, e.g. `LLM.from_module(policy, tokenizer, ...)`.
       module: what `model()` returns (the policy module the engine was built from).
       pad_id: the id left-padding the prompts (default: the tokenizer's pad id, else 0).
+      lora_request: the `jaxserve.LoRARequest` the policy's adapter is served as (the
+        engine needs max_loras >= 1); None: the base model, full-weight updates only.
+      lora_tree: maps the trainer's LoRA state to the tree `LLM.update_lora` takes
+        (None: passed as is).
     """
 
-    def __init__(self, llm: LLM, *, module: Any = None, pad_id: int | None = None):
+    def __init__(self, llm: LLM, *, module: Any = None, pad_id: int | None = None,
+                 lora_request: Any = None, lora_tree: Any = None):
         self.llm = llm
         self._module = module
+        self.lora_request, self._lora_tree = lora_request, lora_tree
+        if lora_request is not None:
+            llm.add_lora(lora_request)
         tok = llm.engine.tokenizer
         self._pad_id = pad_id if pad_id is not None else int(getattr(tok, "pad_token_id", None) or 0)
 
@@ -97,7 +112,7 @@ class JaxserveRollout:
         # Tunix keeps a prompt's last max_prompt_length tokens; generate from exactly those,
         # so the prompt the trainer is handed is the one the model saw.
         ids = [tok.encode(p, add_special_tokens=True)[-width:] for p in prompts]
-        outs = self.llm.generate(ids, sps, use_tqdm=False)
+        outs = self.llm.generate(ids, sps, use_tqdm=False, lora_request=self.lora_request)
         padded = np.full((len(outs), width), self._pad_id, np.int32)
         for i, o in enumerate(outs):
             padded[i, width - len(o.prompt_token_ids):] = o.prompt_token_ids
@@ -139,20 +154,26 @@ class JaxserveRollout:
         lengths = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, c.shape[1])
         prompts = [p[i, starts[i]:].tolist() for i in range(len(p))]
         comps = [c[i, :lengths[i]].tolist() for i in range(len(c))]
-        sb = self.llm.score(prompts, comps)
+        sb = self.llm.score(prompts, comps, lora_request=self.lora_request)
         out = np.zeros(c.shape, np.float32)
         out[:, :sb.logprobs.shape[1]] = sb.logprobs
         return jnp.asarray(out)
 
     def update_params(self, params: Any, filter_types: Any = None) -> None:
-        """Swap in the trainer's weights (a Llama module, nnx.State or tree).
+        """Swap in the trainer's weights (a Llama module, nnx.State or tree); with
+        `filter_types` (Tunix's LoRA-only sync) `params` is the adapter's state and only
+        its A/B are swapped (`LLM.update_lora`, requests on it in flight fail).
 
         Raises:
-          ValueError: filter_types (a partial, e.g. LoRA-only, update) or a bad tree.
+          ValueError: filter_types without a `lora_request`, or a bad tree.
         """
         if filter_types is not None:
-            raise ValueError(f"filter_types={filter_types!r}: only full-weight updates are "
-                             "supported (pass the whole state)")
+            if self.lora_request is None:
+                raise ValueError(f"filter_types={filter_types!r}: a LoRA-only update needs "
+                                 "JaxserveRollout(..., lora_request=LoRARequest(...))")
+            tree = params if self._lora_tree is None else self._lora_tree(params)
+            self.llm.update_lora(self.lora_request.lora_name, tree)
+            return
         self.llm.update_params(params)
         if self._module is not None and hasattr(params, "cfg"):
             self._module = params

@@ -41,6 +41,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.attention.common import NO_WINDOW, AttentionBackend, MdT
 from jaxserve.model import gemma3
 from jaxserve.model.linear import embed_rows, head_matrix_product, linear
+from jaxserve.model.lora import project
 from jaxserve.model.ops import apply_rope, rms_norm  # noqa: F401 - re-exported
 from jaxserve.model.params import param_shapes  # noqa: F401 - re-exported
 from jaxserve.model.quant import QuantizedWeight, engine_scheme, quantize_leaf
@@ -296,8 +297,11 @@ def layer_inv_freq(cfg: ModelConfig, inv_freq: jax.Array, layer_index: Any) -> j
 
 def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], positions: jax.Array,
                   inv_freq: jax.Array, attn_fn: AttnFn, attn_carry: Any, layer: jax.Array, *,
-                  layer_index: Any = None):
+                  layer_index: Any = None, lora_slots: jax.Array | None = None):
     """One pre-norm Llama block on x [T, E]; returns (x [T, E], attn_carry).
+
+    `lora_slots` i32[T] (issue 27): each token's LoRA slot (0 = none); the projections
+    then add their adapter's delta when `lp` carries a pool (`jaxserve.model.lora`).
 
     With cfg.attention_bias the q/k/v projections add their biases (Qwen2); with
     cfg.qk_norm q and k are RMS-normed per head over D before RoPE (Qwen3). `layer`
@@ -319,7 +323,7 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
             qkv = qkv + lp["bqkv"]
         q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=-1)
     else:  # the canonical keys: the reference path and the default engine layout
-        q, k, v = linear(h, lp["wq"]), linear(h, lp["wk"]), linear(h, lp["wv"])
+        q, k, v = (project(h, lp, n, lora_slots) for n in ("wq", "wk", "wv"))
         if cfg.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
@@ -329,18 +333,19 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     o, attn_carry = attn_fn(q, k, v, attn_carry, layer, window)  # [T, H, D]
-    x = x + linear(o.reshape(T, H * D), lp["wo"])
+    x = x + project(o.reshape(T, H * D), lp, "wo", lora_slots)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in lp:
         gate, up = jnp.split(linear(h, lp["w_gate_up"]), 2, axis=-1)
     else:
-        gate, up = linear(h, lp["w_gate"]), linear(h, lp["w_up"])
-    x = x + linear(jax.nn.silu(gate) * up, lp["w_down"])  # (Gemma's GELU: `gemma3.activation`)
+        gate, up = project(h, lp, "w_gate", lora_slots), project(h, lp, "w_up", lora_slots)
+    x = x + project(jax.nn.silu(gate) * up, lp, "w_down", lora_slots)  # (Gemma: gemma3.py)
     return x, attn_carry
 
 
 def run_layers(cfg: ModelConfig, params: Params, input_ids: jax.Array, positions: jax.Array,
-               attn_fn: AttnFn, attn_carry: Any) -> tuple[jax.Array, Any]:
+               attn_fn: AttnFn, attn_carry: Any, lora_slots: jax.Array | None = None
+               ) -> tuple[jax.Array, Any]:
     """Embed input_ids i32[T] and run all layers under a scan (or unrolled, when
     params["layers"] is a list of per-layer dicts, see `prepare_params`).
 
@@ -355,14 +360,16 @@ def run_layers(cfg: ModelConfig, params: Params, input_ids: jax.Array, positions
         # of the stacked array before its dot (the whole model, ~540 MB, every step).
         ac = attn_carry
         for i, lp in enumerate(params["layers"]):
-            x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, jnp.int32(i))
+            x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, jnp.int32(i),
+                                  lora_slots=lora_slots)
         return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), ac
     layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
 
     def body(carry, xs):
         x, ac = carry
         lp, layer = xs
-        x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, layer)
+        x, ac = decoder_layer(cfg, x, lp, positions, inv_freq, attn_fn, ac, layer,
+                              lora_slots=lora_slots)
         return (x, ac), None
 
     (x, attn_carry), _ = jax.lax.scan(body, (x, attn_carry), (params["layers"], layer_ids))

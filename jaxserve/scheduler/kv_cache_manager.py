@@ -115,7 +115,10 @@ class KVCacheManager:
         toks = request.all_token_ids
         while len(hashes) < num_blocks:
             j = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, toks[j * B:(j + 1) * B]))
+            # The first block chains on the request's cache key (its LoRA adapter and
+            # version, issue 27; vLLM's extra_keys), so KV of another adapter never matches.
+            hashes.append(hash_block(hashes[-1] if hashes else getattr(request, "cache_key", None),
+                                     toks[j * B:(j + 1) * B]))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

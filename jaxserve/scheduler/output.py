@@ -87,6 +87,7 @@ class NewRequestData:
       logprob_start: first prompt index to score, or None (`Request.logprob_start`).
       output_token_ids: the outputs so far: empty for a new request, the kept
         outputs for one resumed after a preemption (it recomputes them).
+      lora_slot: the device slot of the request's LoRA adapter (0: base model).
     """
 
     request_id: str
@@ -96,12 +97,14 @@ class NewRequestData:
     eos_token_ids: tuple[int, ...]
     logprob_start: int | None
     output_token_ids: tuple[int, ...]
+    lora_slot: int = 0
 
     @classmethod
     def from_request(cls, req: Any) -> "NewRequestData":
         """The data of a `jaxserve.scheduler.request.Request` (its outputs copied)."""
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.seed,
-                   req.eos_token_ids, req.logprob_start, tuple(req.output_token_ids))
+                   req.eos_token_ids, req.logprob_start, tuple(req.output_token_ids),
+                   getattr(req, "lora_slot", 0))
 
 
 @dataclass(frozen=True)

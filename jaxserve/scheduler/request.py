@@ -101,7 +101,8 @@ class Request(TokenCounts):
                  "arrival_time", "priority", "max_tokens", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "status", "stop_reason", "num_preemptions", "num_step_retries",
                  "seed", "grammar", "logprob_start",
-                 "block_hashes", "_stop_ids", "_eos_ids", "__weakref__")
+                 "block_hashes", "_stop_ids", "_eos_ids", "lora_int_id", "lora_slot",
+                 "cache_key", "__weakref__")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, eos_token_ids: Sequence[int] = (),
@@ -131,6 +132,9 @@ class Request(TokenCounts):
         # Prefix-cache hash of each full block of all_token_ids, filled lazily by
         # the KV cache manager (chain: hash(parent hash, block tokens)).
         self.block_hashes: list[bytes] = []
+        # LoRA (issue 27, set by the engine): the adapter id (0: base model), its device
+        # slot, and the prefix-cache root key (adapter id and version; None: base model).
+        self.lora_int_id, self.lora_slot, self.cache_key = 0, 0, None
         self._eos_ids = frozenset(() if sampling_params.ignore_eos else self.eos_token_ids)
         self._stop_ids = frozenset(sampling_params.stop_token_ids)
 

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.server.admin import install_admin_routes
+from jaxserve.server.lora_routes import install_lora_routes
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.metrics import ServerMetrics, token_bucket_stats
 from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -202,6 +203,8 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
     _install_error_handlers(app)
     install_admin_routes(app, aengine, api_key=api_key, allowed_weights_dir=allowed_weights_dir,
                          auth=check_auth, params_cache_dir=params_cache_dir)
+    if api_key is not None:  # issue 27: vLLM's load / unload adapter routes, as the admin's
+        install_lora_routes(app, aengine, auth=check_auth, allowed_weights_dir=allowed_weights_dir)
 
     @app.get("/health")
     async def health() -> Response:
@@ -231,9 +234,12 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
         now = int(time.time())
         cfg = getattr(aengine.engine, "config", None)
         max_len = cfg.scheduler.max_model_len if cfg is not None else None
+        loras = set(serving.lora_names)  # adapters name their base model as parent (vLLM)
         return JSONResponse({"object": "list", "data": [
             {"id": n, "object": "model", "created": now, "owned_by": "jaxserve",
-             "max_model_len": max_len} for n in serving.model_names]})
+             "max_model_len": max_len,
+             **({"parent": serving.model_names[0]} if n in loras else {})}
+            for n in serving.model_names]})
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(req: CompletionRequest, raw: Request) -> Response:

@@ -87,6 +87,7 @@ class EngineRequest:
     params: SamplingParams
     messages: list[dict] | None = None
     priority: int = 0
+    lora_name: str | None = None  # a registered LoRA adapter (the request's `model`)
 
 
 class AddRequestError(ValueError):
@@ -394,8 +395,10 @@ class AsyncEngine:
         prompt_ids: list[list[int]] = []
         for i, r in enumerate(requests):
             try:
+                lora = {} if r.lora_name is None else {
+                    "lora_request": self.engine.lora.request_named(r.lora_name)}
                 ids = self.engine.add_request(r.request_id, r.prompt, r.params,
-                                              messages=r.messages, priority=r.priority)
+                                              messages=r.messages, priority=r.priority, **lora)
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 if not isinstance(e, (ValueError, EngineSleepingError)):  # an engine gap: log
                     logger.exception("add_request(%s) raised %s", r.request_id, type(e).__name__)

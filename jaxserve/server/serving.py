@@ -160,8 +160,20 @@ class OpenAIServing:
 
     @property
     def model_names(self) -> list[str]:
-        """Accepted `model` names; empty config -> the engine's `model_name`."""
-        return self._names or [getattr(self.engine.engine, "model_name", None) or "jaxserve"]
+        """Accepted `model` names: the served names (empty config -> the engine's
+        `model_name`), then the registered LoRA adapters' names (issue 27)."""
+        base = self._names or [getattr(self.engine.engine, "model_name", None) or "jaxserve"]
+        return base + [n for n in self.lora_names if n not in base]
+
+    @property
+    def lora_names(self) -> list[str]:
+        """Names of the engine's registered LoRA adapters (none without LoRA)."""
+        lora = getattr(self.engine.engine, "lora", None)
+        return [r.lora_name for r in lora.list_loras()] if lora is not None else []
+
+    def lora_of(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names, or None for the base model."""
+        return model if model is not None and model in self.lora_names else None
 
     def _require_ready(self) -> None:
         if not self.engine.is_ready:
@@ -332,7 +344,8 @@ class OpenAIServing:
                         raise validation_error(e) from e
         await self._compile_grammar(params, _structured_field(req))
         base = f"cmpl-{uuid.uuid4().hex}"
-        reqs = [EngineRequest(f"{base}-{i}", p, params, priority=req.priority)
+        reqs = [EngineRequest(f"{base}-{i}", p, params, priority=req.priority,
+                              lora_name=self.lora_of(req.model))
                 for i, p in enumerate(prompts)]
         group = await self._submit(reqs)
         try:

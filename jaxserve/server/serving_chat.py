@@ -88,7 +88,8 @@ class ChatServing:
         await s._compile_grammar(params, "tools" if spec.mode in ("named", "required")
                                  else _structured_field(req))
         base = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await s._submit([EngineRequest(base, ids, params, priority=req.priority)])
+        group = await s._submit([EngineRequest(base, ids, params, priority=req.priority,
+                                               lora_name=s.lora_of(req.model))])
         acc = _Acc(group, req.n)
         head = {"id": base, "object": "chat.completion", "created": int(time.time()),
                 "model": req.model or s.model_names[0]}

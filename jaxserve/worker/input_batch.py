@@ -47,10 +47,12 @@ class CachedRequestState(TokenCounts):
       output_token_ids: list of the outputs so far (the kept ones, then each token
         the runner sampled).
       num_computed_tokens: the row's KV length after the current plan (`end_pos`).
+      lora_slot: the row's LoRA slot (0: base model).
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "seed",
-                 "eos_token_ids", "logprob_start", "output_token_ids", "num_computed_tokens")
+                 "eos_token_ids", "logprob_start", "output_token_ids", "num_computed_tokens",
+                 "lora_slot")
 
     def __init__(self, new: NewRequestData):
         self.request_id, self.prompt_token_ids = new.request_id, new.prompt_token_ids
@@ -58,6 +60,7 @@ class CachedRequestState(TokenCounts):
         self.eos_token_ids, self.logprob_start = new.eos_token_ids, new.logprob_start
         self.output_token_ids = list(new.output_token_ids)
         self.num_computed_tokens = 0
+        self.lora_slot = new.lora_slot
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -197,3 +200,14 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
                        query_start_loc=cu, seq_lens=seq_lens, block_table=block_table,
                        logits_indices=logits_indices, num_seqs=np.asarray(S, np.int32),
                        num_tokens=np.asarray(T, np.int32))
+
+
+def token_lora_slots(out: SchedulerOutput, states: list, token_bucket: int) -> np.ndarray:
+    """i32[T_pad]: each token's LoRA slot, its row's `lora_slot` (issue 27); 0 for
+    padding and for rows without state (they fail alone)."""
+    slots = np.zeros(token_bucket, np.int32)
+    q = np.fromiter((len(r.token_ids) for r in out.scheduled), np.int64, len(out.scheduled))
+    per_row = np.fromiter((0 if st is None else st.lora_slot for st in states), np.int32,
+                          len(states))
+    slots[:int(q.sum())] = np.repeat(per_row, q)
+    return slots

@@ -47,7 +47,8 @@ def embed_fn(cfg: ModelConfig, embed: jax.Array, input_ids: jax.Array) -> jax.Ar
 
 def layers_fn(cfg: ModelConfig, backend: AttentionBackend, layer_params: list, k_caches: list,
               v_caches: list, x: jax.Array, positions: jax.Array, attn_md: Any,
-              layer_ids: jax.Array) -> tuple[jax.Array, list, list]:
+              layer_ids: jax.Array, lora_slots: jax.Array | None = None
+              ) -> tuple[jax.Array, list, list]:
     """G decoder layers on x [T, E]: layer_params is a list of G per-layer weight dicts
     (`prepare_params(unroll_layers=True)`'s), k_caches / v_caches lists of their G
     caches, each [N, B, K, D] in cfg.dtype (donate them), layer_ids i32[G] their
@@ -58,7 +59,7 @@ def layers_fn(cfg: ModelConfig, backend: AttentionBackend, layer_params: list, k
     ks, vs = [], []
     for i, (lp, kc, vc) in enumerate(zip(layer_params, k_caches, v_caches, strict=True)):
         x, (kc, vc) = decoder_layer(cfg, x, lp, positions, inv_freq, attn, (kc, vc), None,
-                                    layer_index=layer_ids[i])
+                                    layer_index=layer_ids[i], lora_slots=lora_slots)
         ks.append(kc)
         vs.append(vc)
     return x, ks, vs
@@ -108,7 +109,8 @@ class LayerStackProgram:
         ids = self.layer_ids
         for j, s in enumerate(range(0, len(lps), g)):
             x, ks[s:s + g], vs[s:s + g] = self.layers(lps[s:s + g], ks[s:s + g], vs[s:s + g], x,
-                                                      batch.positions, batch.attn_md, ids[j])
+                                                      batch.positions, batch.attn_md, ids[j],
+                                                      batch.lora_slots)
         rows, hidden = self.final(params["final_norm"], x, batch.logits_indices)
         return rows, (tuple(ks), tuple(vs)), hidden
 

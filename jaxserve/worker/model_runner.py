@@ -15,19 +15,13 @@ weight and KV buffers, and a final program: `jaxserve.worker.layer_stack`), and 
 head per seq bucket S_pad (LM head + sampler over the first S_pad gathered rows).
 The two run back to back; the gathered rows stay on the device. All are built
 at warm-up: the analogue of vLLM's CUDA-graph capture sizes, with the split of
-tpu-inference's separate model / compute_logits / sample jits. Holding them
-explicitly makes the accounting exact:
-each is counted as built by XLA or loaded from the persistent compile cache
-(jax's public `jax.monitoring` event '/jax/compilation_cache/cache_hits'), and
-a step whose shape has no program is a counted late compile, logged as the
-bug it is (or refused with `strict_compiles`).
+tpu-inference's separate model / compute_logits / sample jits. Holding them explicitly
+makes the accounting exact: each is counted as built by XLA or loaded from the persistent
+compile cache (jax's `jax.monitoring` event '/jax/compilation_cache/cache_hits'), and a
+step whose shape has no program is a counted late compile (or, `strict_compiles`, refused).
 
-Start-up (issue 12): with `EngineConfig.warmup="progressive"` warm-up returns once
-the smallest token bucket's programs are ready and builds the rest in a background
-thread, capping the scheduler's token budget (`ModelRunner.token_cap`) at the
-largest ready bucket meanwhile; with an executable cache (`executable_cache_dir`,
-`jaxserve.worker.executable_cache`) a restart deserializes each program instead of tracing,
-lowering and compiling it.
+Start-up (issue 12): a "progressive" warm-up (ready at the smallest bucket, `token_cap`
+capped meanwhile); an executable cache (`jaxserve.worker.executable_cache`) for restarts.
 """
 
 from __future__ import annotations
@@ -53,6 +47,7 @@ from jaxserve.worker.executable_cache import ExecutableCache, program_key_parts
 from jaxserve.worker.input_batch import CachedRequestState, RequestStates, build_batch
 from jaxserve.worker.kv_cache import describe_capacity, resolve_num_kv_blocks
 from jaxserve.worker.layer_stack import LayerStackProgram, embed_fn, final_fn, layers_fn
+from jaxserve.worker.lora import LoRAPool
 from jaxserve.worker.programs import StepBatch, _head_fn, _score_fn, _spec, _stack_fn
 from jaxserve.worker.pending import ModelPending
 from jaxserve.worker.runner import RowError, RowResult, RunnerStats
@@ -131,6 +126,7 @@ class ModelRunner:
             self.cfg, params.tree if owned else params, unroll_layers=config.unroll_layers,
             place=functools.partial(self.tp.place_params, alias_host=owned),
             quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size)
+        self.lora = LoRAPool.attach_to(self)  # issue 27: LoRA slots in the params (or None)
         # Layer-group programs (`jaxserve.worker.layer_stack`) with unrolled layers; the scan keeps
         # the one-program stack over the stacked [L, ...] weights and cache.
         self.group = None
@@ -202,7 +198,7 @@ class ModelRunner:
         g, r, kv = self.group, self.tp.replicated, self.tp.kv_layer_sharding
         lps = jax.tree.map(lambda a: a.sharding, self.params["layers"][:g])
         return (dict(in_shardings=(self.params["embed"].sharding, r), out_shardings=r),
-                dict(in_shardings=(lps, [kv] * g, [kv] * g, r, r, r, r),
+                dict(in_shardings=(lps, [kv] * g, [kv] * g, r, r, r, r, r),
                      out_shardings=(r, [kv] * g, [kv] * g)),
                 dict(in_shardings=(r, r, r), out_shardings=(r, r)))
 
@@ -251,7 +247,8 @@ class ModelRunner:
         if isinstance(params, OwnedHostParams):  # a swap between steps: always a copy
             params = params.tree
         new = prepare_params(self.cfg, params, unroll_layers=self.config.unroll_layers,
-                             place=self.tp.place_params, like=self.params)
+                             place=self.lora.place if self.lora else self.tp.place_params,
+                             like=self.params)
         old_leaves, old_def = jax.tree_util.tree_flatten_with_path(self.params)
         new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
         if old_def != new_def:
@@ -264,6 +261,8 @@ class ModelRunner:
             placed.append(n if n.sharding == o.sharding else jax.device_put(n, o.sharding))
         self.params = jax.tree_util.tree_unflatten(old_def, placed)
         self.sleeper.params_sent()
+
+    set_lora = LoRAPool.write_to  # (slot, adapter or None): a LoRA slot written, no compile
 
     def sleep(self, level: int, *, discard_weights: bool = False) -> None:
         """Free the KV cache (level 1) and the weights (level 2); see
@@ -303,7 +302,8 @@ class ModelRunner:
         attn_md = self.backend.prepare(common)
         sampling, errors = self._sampling_metadata(out, rows)
         return StepBatch(input_ids=b.input_ids, positions=b.positions, attn_md=attn_md,
-                         logits_indices=b.logits_indices, sampling=sampling), errors
+                         logits_indices=b.logits_indices, sampling=sampling,
+                         lora_slots=self.lora and self.lora.token_slots(out, rows)), errors
 
     def _sampling_metadata(self, out: SchedulerOutput, states: list[CachedRequestState | None]
                            ) -> tuple[SamplingMetadata, dict[str, RowError]]:
@@ -433,7 +433,8 @@ class ModelRunner:
                 "layers": (self._layers_jit, (p["layers"][:g], list(self._kv_specs[0][:g]),
                                               list(self._kv_specs[1][:g]), x, host.positions,
                                               host.attn_md,
-                                              jax.ShapeDtypeStruct((g,), jnp.int32))),
+                                              jax.ShapeDtypeStruct((g,), jnp.int32),
+                                              host.lora_slots)),
                 "final": (self._final_jit, (p["final_norm"], x, host.logits_indices))}
 
     def _compile(self, family: str, size: int, fn: Any, args: tuple) -> tuple[Any, str]:

@@ -35,6 +35,7 @@ class StepBatch:
     attn_md: Any  # the attention backend's metadata (`backend.prepare`), a registered dataclass
     logits_indices: Any  # i32[S] flat token index of each row's last token; padding 0
     sampling: SamplingMetadata  # per-row sampling parameters, [S] leading axis
+    lora_slots: Any = None  # i32[T] each token's LoRA slot (0 = none); None: LoRA off
 
 
 def _stack_fn(cfg: ModelConfig, backend: AttentionBackend, params, kv_cache, batch: StepBatch):
@@ -43,7 +44,8 @@ def _stack_fn(cfg: ModelConfig, backend: AttentionBackend, params, kv_cache, bat
     all final-normed hidden rows [T_pad, E] (the score program's input; they stay on the
     device). `batch.sampling` is None here. Equals `llama.forward_paged` up to the LM head."""
     hidden, kv_cache = run_layers(cfg, params, batch.input_ids, batch.positions,
-                                  paged_attn(cfg, batch.attn_md, backend), kv_cache)
+                                  paged_attn(cfg, batch.attn_md, backend), kv_cache,
+                                  batch.lora_slots)
     return hidden[batch.logits_indices], kv_cache, hidden
 
 

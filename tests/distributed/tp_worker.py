@@ -163,6 +163,49 @@ def smollm2_group() -> dict:
             **_shards(eng.runner)}
 
 
+def lora_group() -> dict:
+    """Issue 27: LoRA under TP = 1 and 2 (two adapters and base rows in one batch, then an
+    update_lora), the pool leaves' shard shapes, compiles after warm-up, and TP > K."""
+    from tests.conftest import tiny_params
+    from tests.lora.helpers import random_adapter
+
+    from jaxserve.lora import LoRARequest
+
+    cfg, params = tiny_params(**TINY_HEADS)
+    t0, t1, t2 = (random_adapter(cfg, r, seed=s) for r, s in ((8, 1), (3, 2), (8, 3)))
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    out = {}
+    for tp in (1, 2, 4):
+        config = make_engine_config(cfg, attention_backend="xla", tensor_parallel_size=tp,
+                                    max_loras=2, max_lora_rank=8,
+                                    **{**TINY_ENGINE, **XLA_BUCKETS})
+        try:
+            eng = LLMEngine(config, params, None, progress=False)
+        except ValueError as e:
+            out[str(tp)] = {"error": str(e)}
+            continue
+        lrs = [LoRARequest("a", 1, t0), LoRARequest("b", 2, t1), None]
+        runs = []
+        for phase in range(2):
+            for i, p in enumerate(PROMPTS[:3]):
+                eng.add_request(f"r{phase}{i}", p, sp, lora_request=lrs[i])
+            done = {}
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        c = o.outputs[0]
+                        done[o.request_id] = {"ids": c.token_ids, "logprobs": [
+                            {str(k): v for k, v in d.items()} for d in c.logprobs]}
+            runs.append([done[f"r{phase}{i}"] for i in range(3)])
+            if phase == 0:
+                eng.lora.update_lora("a", t2)
+        rep = shard_report(eng.runner.params)["shards"]
+        out[str(tp)] = {"runs": runs, "late": eng.get_stats()["num_compiles_after_warmup"],
+                        "shards": {k.split("'")[-2]: v for k, v in rep.items()
+                                   if "[0]" in k and "lora" in k}}
+    return out
+
+
 def main(argv: list[str]) -> None:
     group = argv[1]
     if group == "xla":
@@ -170,6 +213,8 @@ def main(argv: list[str]) -> None:
     elif group == "pallas":  # Triton needs head_dim >= 16; the interpreter is slow: 3 prompts
         res = engine_group("pallas_triton", True, ("1", "2", "4"), prompts=PROMPTS[:3],
                            max_tokens=6, head_dim=16)
+    elif group == "lora":
+        res = lora_group()
     elif group == "smollm2":
         res = smollm2_group()
     else:
