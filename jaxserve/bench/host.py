@@ -132,10 +132,12 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
         launch = runner.launch_host_batch
 
         def counted(host, *a, **kw):  # the bytes of the host arrays the step copies (a
-            import jax  # read-only one is a constant the runner keeps on the device)
+            import jax  # shared constant stays on the device: `constant_array`)
             import numpy as np
+
+            from jaxserve.sample.metadata import is_constant_array
             clock.h2d_bytes += sum(x.nbytes for x in jax.tree.leaves(host)
-                                   if isinstance(x, np.ndarray) and x.flags.writeable)
+                                   if isinstance(x, np.ndarray) and not is_constant_array(x))
             return launch(host, *a, **kw)
         runner.launch_host_batch = counted
         clock.wrap(runner, "launch_host_batch", "launch")

@@ -316,21 +316,21 @@ class TensorParallel:
     def put_batch(self, host: Any) -> Any:
         """A step's host arrays on every device of the mesh (replicated): ONE device_put.
 
-        A read-only NumPy leaf is a shared constant (`jaxserve.sample.metadata.
-        constant_array`: the token history when no row is penalised, the bitmask when no
-        row has a grammar): it is put once and its device copy reused, so a step sends
-        only what it computed (issue 24)."""
+        A shared constant leaf (`jaxserve.sample.metadata.constant_array`: the token
+        history when no row is penalised, the bitmask when no row has a grammar) is put
+        once and its device copy reused, so a step sends only what it computed (issue 24)."""
+        from jaxserve.sample.metadata import is_constant_array
+
         leaves, treedef = jax.tree.flatten(host)
-        if any(isinstance(x, np.ndarray) and not x.flags.writeable for x in leaves):
-            host = jax.tree.unflatten(treedef, [self._constant(x) for x in leaves])
+        if any(map(is_constant_array, leaves)):
+            host = jax.tree.unflatten(treedef, [self._constant(x) if is_constant_array(x)
+                                                else x for x in leaves])
         return self._put_batch(host)
 
-    def _constant(self, x: Any) -> Any:
-        if not isinstance(x, np.ndarray) or x.flags.writeable:
-            return x
-        cache = self.__dict__.setdefault("_constants", {})
+    def _constant(self, x: np.ndarray) -> Any:
+        cache = self.__dict__.setdefault("_constants", {})  # id -> (array, device copy)
         hit = cache.get(id(x))
-        if hit is None or hit[0] is not x:  # holding x keeps its id unique
+        if hit is None or hit[0] is not x:
             hit = cache[id(x)] = (x, self._put_batch(x))
         return hit[1]
 

@@ -2,6 +2,7 @@
 
   core.py              LLMEngine: one step = schedule, execute, update, output processing
   args.py              make_engine_config: flat engine arguments -> EngineConfig
+  stats.py             get_stats: counters and gauges
   input_processor.py   prompt -> token ids -> Request(s), validation
   output_processor.py  detokenize, stop strings, RequestOutput; returns what to finish
   detokenizer.py       incremental detokenization

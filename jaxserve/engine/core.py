@@ -14,6 +14,9 @@ is held here, out of the scheduler, until its grammar is compiled (a thread pool
 by spec), then queued with its matcher; the batch never waits for a compile. The runner
 fills each grammar row's bitmask; the output processor advances the matcher by each
 accepted token. Not thread-safe: call it from one thread (the server's loop thread).
+
+Async scheduling (vLLM's, issue 24; `EngineConfig.async_scheduling`): `step()` dispatches
+the next step (`Runner.dispatch`) before it processes the outputs of the one it fetched.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from jaxserve.engine.args import _eos_token_ids
 from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
 from jaxserve.engine.lora import EngineLoRA
 from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
+from jaxserve.engine.stats import engine_stats
 from jaxserve.engine.pause import Pauser, check_mode
 from jaxserve.engine.provenance import WeightProvenance
 from jaxserve.engine.sleep import Sleeper
@@ -135,6 +139,10 @@ class LLMEngine:
           EngineSleepingError: asleep with reject_new=True (see `sleep`).
         """
         self.sleeper.check_admit(request_id)
+        if self._inflight is not None and any(  # an aborted id reused: its old row first
+                r == request_id or r.startswith(request_id + "#")
+                for r in (sr.request_id for sr in self._inflight[0].scheduled)):
+            self._pending += self._step(overlap=False)
         p = self.inputs.process(request_id, prompt, params, messages=messages, priority=priority,
                                 arrival_time=arrival_time, live_ids=self.outputs.live_ids(),
                                 logprob_start=logprob_start)
@@ -464,36 +472,4 @@ class LLMEngine:
 
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges for metrics endpoints and benchmark summaries."""
-        kv = self.scheduler.kv_cache_manager
-        rs = self.runner.stats()
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "kv_cache_usage": kv.usage,
-            "num_free_blocks": kv.num_free_blocks,
-            "num_total_blocks": kv.num_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_aborted": self.num_aborted,
-            "num_failed_steps": self.num_failed_steps,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.outputs.generation_tokens_total,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            # {T_pad: {"steps", "real_tokens", "padded_tokens", "padding_fraction"}}
-            "bucket_stats": self.bucket_policy.stats()["token_buckets"],
-            "num_steps": rs.num_steps,
-            "warmup_programs": rs.warmup_programs,
-            "warmup_seconds": rs.warmup_seconds,
-            "num_compiles_after_warmup": rs.late_compiles,
-            "num_compiles": rs.programs_built,  # compiled by XLA (persistent-cache misses)
-            "num_programs_loaded": rs.programs_loaded,  # persistent compile-cache hits
-            "num_programs_restored": rs.programs_restored,  # executable-cache hits (no trace)
-            "programs_ready": rs.programs_ready,  # of warmup_programs (progressive warm-up)
-            "warmup_done": rs.warmup_done,
-            "compile_seconds": rs.compile_seconds,
-            "last_step_tokens": self.last_step_tokens,
-            "weight_version": self.weight_version,
-            "paused": self.pauser.paused,
-            "pause_mode": self.pauser.mode,
-            **self.sleeper.stats(),  # is_sleeping, sleep_level, device bytes held
-        }
+        return engine_stats(self)

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.lora import project
 from jaxserve.model.ops import apply_rope, rms_norm
 
 
@@ -39,24 +39,28 @@ def activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], positions: jax.Array,
                   inv_freq: jax.Array, attn_fn: Any, attn_carry: Any, layer: Any, *,
-                  window: jax.Array | None) -> tuple[jax.Array, Any]:
+                  window: jax.Array | None, lora_slots: jax.Array | None = None
+                  ) -> tuple[jax.Array, Any]:
     """One Gemma 3 block on x [T, E]; returns (x [T, E], attn_carry).
 
     inv_freq: f32[D/2], this layer's RoPE table (local or global, chosen by the caller);
     window: i32[] keys a query sees on this layer, or None (a global layer of a model
-    with no sliding layer).
+    with no sliding layer); lora_slots: i32[T] per-token LoRA slots, or None. Every
+    projection goes through `lora.project` (float or quantized weights, plus the delta).
     """
     T = x.shape[0]
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     h = rms_norm(x, lp["attn_norm"], eps)
-    q = (h @ lp["wq"]).reshape(T, H, D)
-    k = (h @ lp["wk"]).reshape(T, K, D)
-    v = (h @ lp["wv"]).reshape(T, K, D)
+    def proj(a: jax.Array, name: str) -> jax.Array:
+        return project(a, lp, name, lora_slots)
+
+    q, k, v = proj(h, "wq").reshape(T, H, D), proj(h, "wk").reshape(T, K, D), \
+        proj(h, "wv").reshape(T, K, D)
     q = apply_rope(rms_norm(q, lp["q_norm"], eps), positions, inv_freq)
     k = apply_rope(rms_norm(k, lp["k_norm"], eps), positions, inv_freq)
     o, attn_carry = attn_fn(q, k, v, attn_carry, layer, window)  # [T, H, D]
-    x = x + rms_norm(o.reshape(T, H * D) @ lp["wo"], lp["post_attn_norm"], eps)
+    x = x + rms_norm(proj(o.reshape(T, H * D), "wo"), lp["post_attn_norm"], eps)
     h = rms_norm(x, lp["mlp_norm"], eps)
-    h = (activation(cfg, h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    h = proj(activation(cfg, proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
     return x + rms_norm(h, lp["post_mlp_norm"], eps), attn_carry

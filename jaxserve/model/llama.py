@@ -313,7 +313,8 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     window = layer_window(cfg, index)
     if cfg.sandwich_norms:
         return gemma3.decoder_layer(cfg, x, lp, positions, layer_inv_freq(cfg, inv_freq, index),
-                                    attn_fn, attn_carry, layer, window=window)
+                                    attn_fn, attn_carry, layer, window=window,
+                                    lora_slots=lora_slots)
     T = x.shape[0]
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)

@@ -77,7 +77,15 @@ def _uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-@functools.lru_cache(maxsize=64)
+_CONSTANT_IDS: set[int] = set()  # ids of `constant_array`'s arrays (all kept alive)
+
+
+def is_constant_array(x: object) -> bool:
+    """Whether `x` is one of `constant_array`'s shared arrays (not merely read-only)."""
+    return id(x) in _CONSTANT_IDS
+
+
+@functools.lru_cache(maxsize=None)  # one per (S bucket, width): a handful, never evicted
 def constant_array(shape: tuple[int, ...], value: int, dtype: str) -> np.ndarray:
     """A read-only array filled with `value`, shared by every caller (never written).
 
@@ -88,6 +96,7 @@ def constant_array(shape: tuple[int, ...], value: int, dtype: str) -> np.ndarray
     """
     a = np.full(shape, value, np.dtype(dtype))
     a.flags.writeable = False
+    _CONSTANT_IDS.add(id(a))
     return a
 
 

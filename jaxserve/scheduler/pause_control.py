@@ -17,14 +17,27 @@ class PauseControl:
 
     def unschedule(self, out: SchedulerOutput) -> None:
         """Take back the pending plan `out` as if it had not run (async scheduling drops a
-        step in flight before a pause): each running row goes back to its start_pos,
-        its blocks kept for the rerun."""
-        if out is self._pending_out:
-            self._pending_out = None
-            for sr in out.scheduled:
-                req = self.requests.get(sr.request_id)
-                if req is not None and req.status is _RUNNING:
-                    req.num_computed_tokens = sr.start_pos
+        step in flight before a pause): each running row goes back to its start_pos, its
+        blocks kept for the rerun; a request the plan admitted goes back to the front of
+        the waiting queue, its blocks freed. (A request the plan preempted stays
+        preempted: the dropped step may have written its freed blocks.)"""
+        if out is not self._pending_out:
+            return
+        self._pending_out = None
+        admitted = {n.request_id for n in out.scheduled_new_reqs}
+        for sr in reversed(out.scheduled):  # push_front in reverse: the queue's old order
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status is not _RUNNING:
+                continue
+            if sr.request_id in admitted:
+                self.running.remove(req)
+                self.kv_cache_manager.free(sr.request_id)
+                req.num_computed_tokens = 0
+                req.status = (RequestStatus.PREEMPTED if req.num_preemptions
+                              else RequestStatus.WAITING)
+                self.waiting.push_front(req)
+            else:
+                req.num_computed_tokens = sr.start_pos
 
     def retract_running(self) -> list[str]:
         """Preempt every running request by recompute now, KV freed, order kept at the

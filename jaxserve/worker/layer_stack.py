@@ -105,7 +105,7 @@ class LayerStackProgram:
         if not self.layer_ids:
             shardings = getattr(self.layers, "input_shardings", None)
             object.__setattr__(self, "layer_ids", group_layer_ids(
-                len(lps), g, shardings[0][-1] if shardings else None))
+                len(lps), g, shardings[0][6] if shardings else None))  # arg 6: layer_ids
         ids = self.layer_ids
         for j, s in enumerate(range(0, len(lps), g)):
             x, ks[s:s + g], vs[s:s + g] = self.layers(lps[s:s + g], ks[s:s + g], vs[s:s + g], x,

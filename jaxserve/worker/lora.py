@@ -148,13 +148,17 @@ class LoRAPool:
         1..max_loras between steps. Compiles nothing.
 
         Raises:
-          ValueError: a slot out of range, or a rank over max_lora_rank.
+          ValueError: a slot out of range, a rank over max_lora_rank, or a runner asleep
+            at level 2.
         """
         if jax.process_count() > 1:  # the followers would keep the old slot
             raise ValueError(f"LoRA slots cannot be written across {jax.process_count()} "
                              f"processes (multi-host)")
         if not 1 <= slot <= self.max_loras:
             raise ValueError(f"LoRA slot {slot} is outside 1..max_loras={self.max_loras}")
+        if not self.runner.sleeper.weights_on_device:  # a level-2 sleep holds no pool
+            raise ValueError(f"LoRA slot {slot} cannot be written while the engine sleeps "
+                             "at level 2 (its weights are off the device); wake_up() first")
         if adapter is not None and adapter.rank > self.rank:
             raise ValueError(f"LoRA rank {adapter.rank} exceeds max_lora_rank={self.rank}")
         new = self.host_slot(adapter)  # before touching the pool: a bad adapter changes nothing

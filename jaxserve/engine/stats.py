@@ -1,0 +1,43 @@
+"""`LLMEngine.get_stats`: the engine's counters and gauges in one dict (metrics endpoints,
+benchmark summaries)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def engine_stats(engine: Any) -> dict[str, Any]:
+    """Counters and gauges of an `LLMEngine` (its scheduler, KV pool, runner, buckets)."""
+    kv = engine.scheduler.kv_cache_manager
+    rs = engine.runner.stats()
+    return {
+        "num_running": engine.scheduler.num_running,
+        "num_waiting": engine.scheduler.num_waiting,
+        "kv_cache_usage": kv.usage,
+        "num_free_blocks": kv.num_free_blocks,
+        "num_total_blocks": kv.num_blocks,
+        "num_preemptions": engine.scheduler.num_preemptions,
+        "num_aborted": engine.num_aborted,
+        "num_failed_steps": engine.num_failed_steps,
+        "prompt_tokens_total": engine.prompt_tokens_total,
+        "generation_tokens_total": engine.outputs.generation_tokens_total,
+        "prefix_cache_queries": kv.prefix_cache_queries,
+        "prefix_cache_hits": kv.prefix_cache_hits,
+        # {T_pad: {"steps", "real_tokens", "padded_tokens", "padding_fraction"}}
+        "bucket_stats": engine.bucket_policy.stats()["token_buckets"],
+        "num_steps": rs.num_steps,
+        "warmup_programs": rs.warmup_programs,
+        "warmup_seconds": rs.warmup_seconds,
+        "num_compiles_after_warmup": rs.late_compiles,
+        "num_compiles": rs.programs_built,  # compiled by XLA (persistent-cache misses)
+        "num_programs_loaded": rs.programs_loaded,  # persistent compile-cache hits
+        "num_programs_restored": rs.programs_restored,  # executable-cache hits (no trace)
+        "programs_ready": rs.programs_ready,  # of warmup_programs (progressive warm-up)
+        "warmup_done": rs.warmup_done,
+        "compile_seconds": rs.compile_seconds,
+        "last_step_tokens": engine.last_step_tokens,
+        "weight_version": engine.weight_version,
+        "paused": engine.pauser.paused,
+        "pause_mode": engine.pauser.mode,
+        **engine.sleeper.stats(),  # is_sleeping, sleep_level, device bytes held
+    }
