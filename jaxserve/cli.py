@@ -446,10 +446,14 @@ def main(argv: Sequence[str]) -> int:
         return cmd_compile()
     if cmd in ("generate", "serve") and start_multihost():
         return 0  # a follower: its leader stopped
-    if cmd == "generate":
-        return cmd_generate()
-    if cmd == "serve":
-        return cmd_serve()
+    try:
+        if cmd == "generate":
+            return cmd_generate()
+        if cmd == "serve":
+            return cmd_serve()
+    except ValueError as e:  # bad input, named by the engine (a flag, a file): no traceback
+        print(f"jaxserve {cmd}: error: {e}", file=sys.stderr)
+        return 2
     return cmd_bench(argv[2:])
 
 

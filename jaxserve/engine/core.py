@@ -10,10 +10,10 @@ prompts become requests in `jaxserve.engine.input_processor`, outputs are assemb
 (`jaxserve.worker.runner`), so tests plug in `FakeRunner`. LoRA: `jaxserve.engine.lora`.
 
 Structured output (`jaxserve.structured_output`): a request with `structured_outputs`
-is held here, out of the scheduler, until its grammar is compiled (a thread pool, cached
-by spec), then queued with its matcher; the batch never waits for a compile. The runner
-fills each grammar row's bitmask; the output processor advances the matcher by each
-accepted token. Not thread-safe: call it from one thread (the server's loop thread).
+(or a LoRA request waiting for a slot) is held here, out of the scheduler, until its
+grammar is compiled (a thread pool, cached by spec) and its adapter has a slot; the batch
+never waits for a compile. The runner fills each grammar row's bitmask; the output
+processor advances the matcher by each token. Not thread-safe: use one thread.
 
 Async scheduling (vLLM's, issue 24; `EngineConfig.async_scheduling`): `step()` dispatches
 the next step (`Runner.dispatch`) before it processes the outputs of the one it fetched.
@@ -146,27 +146,27 @@ class LLMEngine:
         p = self.inputs.process(request_id, prompt, params, messages=messages, priority=priority,
                                 arrival_time=arrival_time, live_ids=self.outputs.live_ids(),
                                 logprob_start=logprob_start)
-        self.lora.attach(p.children, lora_request)  # its adapter's slot (None: base model)
-        so = p.children[0].sampling_params.structured_outputs
+        has_slot = self.lora.attach(p.children, lora_request)  # its adapter's slot, or wait
+        so, fut = p.children[0].sampling_params.structured_outputs, None
         if so is not None:
             if self.grammars is None:
                 raise ValueError("structured_outputs needs a tokenizer, and this engine was "
                                  "built without one")
             fut = self.grammars.submit(so.spec)
-            if not fut.done():  # hold it; `_admit_compiled` queues it once compiled
-                self.outputs.add(p)
-                self.provenance.add(p.request_id, [c.request_id for c in p.children],
-                                    self.weight_version)
-                self._awaiting_grammar[p.request_id] = (p, fut)
-                self.prompt_tokens_total += len(p.prompt_token_ids)
-                return p.prompt_token_ids
-            self._attach_grammar(p, fut)  # a failed compile raises here: nothing queued
+        if not has_slot or (fut is not None and not fut.done()):  # held: `_admit_compiled`
+            self.outputs.add(p)  # queues it once compiled and its adapter has a slot
+            self.provenance.add(p.request_id, [c.request_id for c in p.children],
+                                self.weight_version)
+            self._awaiting_grammar[p.request_id] = (p, fut)
+            self.prompt_tokens_total += len(p.prompt_token_ids)
+            return p.prompt_token_ids
+        self._attach_grammar(p, fut)  # a failed compile raises here: nothing queued
         self._queue(p)
         return p.prompt_token_ids
 
-    def _attach_grammar(self, p: ProcessedRequest, fut: concurrent.futures.Future) -> None:
-        compiled = fut.result()  # ValidationError / GrammarDeadEnd of the compile
-        for req in p.children:
+    def _attach_grammar(self, p: ProcessedRequest, fut: concurrent.futures.Future | None) -> None:
+        compiled = fut.result() if fut else None  # ValidationError / GrammarDeadEnd of it
+        for req in p.children if compiled else ():
             req.grammar = compiled.new_matcher()
 
     def _queue(self, p: ProcessedRequest, *, tracked: bool = False) -> None:
@@ -188,27 +188,28 @@ class LLMEngine:
             self.prompt_tokens_total += len(p.prompt_token_ids)
 
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Queue the held requests whose grammar is ready; fail those whose compile (or
-        admission) failed. Waits up to 5 ms for one only when nothing else can run."""
+        """Queue held requests whose grammar is ready and adapter has its slot; fail those
+        whose compile, slot or admission failed. Waits 5 ms for a compile only when idle."""
         held = self._awaiting_grammar
         if not self.scheduler.has_unfinished_requests():
-            concurrent.futures.wait([f for _, f in held.values()], timeout=0.005,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait([f for _, f in held.values() if f is not None],
+                                    timeout=0.005, return_when=concurrent.futures.FIRST_COMPLETED)
+        ready = self.lora.admit_held()  # rid -> None or its slot write's error (lora.py)
         failed: list[str] = []
         for rid, (p, fut) in list(held.items()):
-            if not fut.done():
+            if rid not in ready or (fut is not None and not fut.done()):
                 continue
             del held[rid]
             try:
+                if ready[rid] is not None:
+                    raise ready[rid]
                 self._attach_grammar(p, fut)
                 self._queue(p, tracked=True)
-            except Exception as e:
-                # Never seen by the scheduler, so the engine ends it (the scheduler owns
-                # the status of the requests it holds, and holds none of these).
+            except Exception as e:  # never seen by the scheduler, so the engine ends it
                 for req in p.children:
                     req.status = RequestStatus.FINISHED_ERROR
-                failed += self.outputs.fail([c.request_id for c in p.children],
-                                            f"structured output: {type(e).__name__}: {e}")
+                failed += self.outputs.fail([c.request_id for c in p.children], (
+                    "structured output: " if fut else "LoRA: ") + f"{type(e).__name__}: {e}")
         return self.outputs.collect(failed)
 
     # -------------------------------------------------------------- step

@@ -4,7 +4,12 @@
 A request on an adapter takes the adapter's device slot when it is added
 (`jaxserve.lora.manager.LoRASlots.acquire`: LRU over the slots no live request uses)
 and keeps it until it ends, so an adapter in use is never evicted; the slot reaches
-the runner in the plan's `NewRequestData.lora_slot`. Its prefix-cache key is the
+the runner in the plan's `NewRequestData.lora_slot`. When every slot holds an adapter
+of a live request (queued, or held by the engine for its grammar compile), the request
+waits, held by the engine beside the grammar-held ones (`LLMEngine._awaiting_grammar`),
+until `admit_held` at the start of a `step()` finds it a slot; held requests take
+slots first come first served, and a new request waits behind them, so none starves
+(vLLM's scheduler instead skips such requests in its waiting queue). Its prefix-cache key is the
 adapter's (id, version), so a request never reuses KV of another adapter or of an
 older version of its own. Host only: the runner's `set_lora` writes the slots.
 """
@@ -47,9 +52,54 @@ class EngineLoRA:
                              "(or enable_lora=True)")
         return self.slots
 
-    def in_use(self) -> set[int]:
-        """Adapter ids of the live (waiting or running) requests."""
-        return {r.lora_int_id for r in self.engine.scheduler.requests.values() if r.lora_int_id}
+    def in_use(self, *, pinning: bool = False) -> set[int]:
+        """Adapter ids of the live requests: the scheduler's and those the engine holds
+        (for a grammar compile or a slot). With `pinning`, only the held ones that have
+        their slot: the adapters whose slot no other adapter may take."""
+        ids = {r.lora_int_id for r in self.engine.scheduler.requests.values() if r.lora_int_id}
+        for p, _ in self.engine._awaiting_grammar.values():
+            c = p.children[0]
+            if c.lora_int_id and (c.lora_slot or not pinning):
+                ids.add(c.lora_int_id)
+        return ids
+
+    def num_waiting(self) -> int:
+        """Held requests waiting for a slot for their adapter."""
+        return sum(1 for p, _ in self.engine._awaiting_grammar.values() if self._waits(p))
+
+    @staticmethod
+    def _waits(p: Any) -> bool:
+        return bool(p.children[0].lora_int_id and not p.children[0].lora_slot)
+
+    def _acquire(self, children: Sequence[Any]) -> bool:
+        """Give `children` (one request's samples) their adapter's slot and cache key;
+        False (nothing changed) when every slot is pinned by live requests."""
+        slots, lid = self._on(), children[0].lora_int_id
+        pinned = self.in_use(pinning=True)
+        if not slots.can_acquire(lid, pinned):
+            return False
+        slot, key = slots.acquire(lid, pinned), slots.cache_key(lid)
+        for req in children:
+            req.lora_slot, req.cache_key = slot, key
+        return True
+
+    def admit_held(self) -> dict[str, Exception | None]:
+        """Give held requests that wait for a slot their slot, first come first served
+        (stopping at the first that finds none); returns {request_id: None, or the
+        error of its slot write} of the held requests whose adapter now has its slot
+        (or that need none), for `LLMEngine._admit_compiled` to queue or fail."""
+        ready: dict[str, Exception | None] = {}
+        blocked = False
+        for rid, (p, _) in self.engine._awaiting_grammar.items():
+            if self._waits(p) and not blocked:
+                try:
+                    blocked = not self._acquire(p.children)
+                except Exception as e:  # a failed slot write ends this request alone
+                    ready[rid] = e
+                    continue
+            if not self._waits(p):
+                ready[rid] = None
+        return ready
 
     # ------------------------------------------------------------ registry
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -90,24 +140,24 @@ class EngineLoRA:
         """An unused lora_int_id (the server's load route assigns it)."""
         return max((r.lora_int_id for r in self.list_loras()), default=0) + 1
 
-    def attach(self, children: Sequence[Any], lora_request: LoRARequest | None) -> None:
+    def attach(self, children: Sequence[Any], lora_request: LoRARequest | None) -> bool:
         """Give a new request's samples their adapter: registered on first use, a
-        device slot, and the prefix-cache key.
+        device slot, and the prefix-cache key. False when it must wait for a slot
+        (every slot pinned by live requests, or others wait already): the engine
+        holds it until `admit_held` gives it one.
 
         Raises:
-          ValueError: LoRA is off, a bad adapter, or every slot held by live requests.
+          ValueError: LoRA is off, or a bad adapter (it could never run).
         """
         if lora_request is None:
-            return
+            return True
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest or None, got "
                              f"{type(lora_request).__name__}")
-        slots = self._on()
-        slots.add(lora_request)
-        lid = lora_request.lora_int_id
-        slot = slots.acquire(lid, self.in_use())
+        self._on().add(lora_request)
         for req in children:
-            req.lora_int_id, req.lora_slot, req.cache_key = lid, slot, slots.cache_key(lid)
+            req.lora_int_id, req.lora_slot = lora_request.lora_int_id, 0
+        return self.num_waiting() == 0 and self._acquire(children)
 
     # ------------------------------------------------------------ RL sync
     def update_lora(self, name: str, weights: Any, in_flight: str = "abort") -> int:
@@ -134,6 +184,10 @@ class EngineLoRA:
         getattr(eng, "_drain", lambda: None)()  # async scheduling: no step runs over the swap
         lid, version = slots.update(name, new)
         key = slots.cache_key(lid)
+        for p, _ in eng._awaiting_grammar.values():  # held: not started, new weights
+            for req in p.children:
+                if req.lora_int_id == lid:
+                    req.cache_key = key
         failed = []
         for req in list(eng.scheduler.requests.values()):
             if req.lora_int_id != lid:

@@ -164,6 +164,13 @@ class LoRASlots:
         e = self._by_id.get(lora_int_id)
         return e.slot if e is not None else 0
 
+    def can_acquire(self, lora_int_id: int, in_use: Collection[int]) -> bool:
+        """Whether `acquire` finds a slot now: the adapter has one, one is free, or one
+        holds an adapter that no live request uses (`in_use`)."""
+        e = self._by_id.get(lora_int_id)
+        return e is None or bool(e.slot) or any(
+            self._slots[s] not in in_use for s in range(1, self.max_loras + 1))
+
     def acquire(self, lora_int_id: int, in_use: Collection[int]) -> int:
         """The device slot of a registered adapter, writing it into a free or the
         least-recently-used unused slot when it has none; marks it recently used.

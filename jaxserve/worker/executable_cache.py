@@ -73,7 +73,9 @@ _NON_PROGRAM_FIELDS = {
                   "policy", "bucket_policy", "bucket_gap", "min_token_bucket", "min_seq_bucket",
                   "token_buckets", "seq_buckets", "static_batching"),
     "": ("strict_compiles", "warmup", "compile_threads",
-         "enable_prompt_logprobs"),  # the set, not a program
+         "enable_prompt_logprobs",  # the set, not a program
+         "async_scheduling",  # host-side only
+         "quantization"),  # the flag; the weights' formats are in the arguments' signature
 }
 # jax config flags that change what a trace lowers to.
 _JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_dtype_promotion",

@@ -175,11 +175,14 @@ def test_lru_never_evicts_an_adapter_in_use():
         eng.add_request("a", PROMPT, long, lora_request=lrs[0])
         eng.add_request("b", PROMPT, GREEDY, lora_request=lrs[1])
         slot_a = eng.lora.slots.slot_of(20)
-        with pytest.raises(ValueError, match="all max_loras=2 LoRA slots"):
-            eng.add_request("c", PROMPT, GREEDY, lora_request=lrs[2])
-        while "b" in eng.scheduler.requests:
+        eng.add_request("c", PROMPT, GREEDY, lora_request=lrs[2])  # every slot pinned: waits
+        assert eng.lora.num_waiting() == 1 and eng.lora.slots.slot_of(22) == 0
+        with pytest.raises(ValueError, match="in use by a live request"):
+            eng.lora.remove_lora(22)  # a waiting request uses it too
+        while eng.scheduler.get_request("c") is None:
+            assert eng.lora.slots.slot_of(21) or eng.scheduler.get_request("b") is None
             eng.step()
-        eng.add_request("c", PROMPT, GREEDY, lora_request=lrs[2])  # takes b's slot
+        assert eng.scheduler.get_request("b") is None  # c took b's slot once b ended
         assert eng.lora.slots.slot_of(20) == slot_a and eng.lora.slots.slot_of(21) == 0
         with pytest.raises(ValueError, match="in use by a live request"):
             eng.lora.remove_lora(20)
@@ -190,6 +193,102 @@ def test_lru_never_evicts_an_adapter_in_use():
                 o.token_logprobs, _reference(merged_params(params, trees[i]), PROMPT,
                                              o.token_ids), atol=1e-4)
     finally:
+        _cleanup(eng)
+
+
+def _one_slot_engine():
+    return tiny_engine(max_loras=1, max_lora_rank=16)
+
+
+def test_requests_over_max_loras_wait_and_equal_their_solo_runs():
+    """max_loras=1, two adapters, all added at once: the second adapter's requests wait
+    (first come first served) until the first's end, then run; every row equals its solo
+    run, with 0 compiles."""
+    eng = _one_slot_engine()
+    cfg, _ = tiny_params()
+    x = LoRARequest("wx", 31, random_adapter(cfg, 4, seed=71))
+    y = LoRARequest("wy", 32, random_adapter(cfg, 16, seed=72, targets=["wv", "w_up"]))
+    p2 = [1, 30, 31, 32, 33, 34]
+    reqs = {"x1": (PROMPT, x), "y1": (p2, y), "b": (p2, None), "x2": (p2, x), "y2": (PROMPT, y)}
+    try:
+        solo = {}
+        for rid, r in reqs.items():
+            solo.update(_run(eng, {rid: r}))
+        counter, before = _JaxCompiles(), _compiles(eng)
+        counter._on = True
+        for rid, (p, lr) in reqs.items():
+            eng.add_request(rid, p, GREEDY, lora_request=lr)
+        assert eng.lora.num_waiting() == 3  # y1, x2 (behind y1), y2
+        outs = drain(eng)
+        counter._on = False
+        assert counter.n == 0 and _compiles(eng) == before
+        for rid in reqs:
+            assert outs[rid].outputs[0].finish_reason == "length", rid
+            assert list(outs[rid].outputs[0].token_ids) == solo[rid][0], rid
+            np.testing.assert_allclose(outs[rid].outputs[0].token_logprobs, solo[rid][1],
+                                       atol=1e-5)
+        assert not eng._awaiting_grammar
+    finally:
+        _cleanup(eng)
+
+
+def test_abort_of_a_waiting_request_leaks_nothing():
+    eng = _one_slot_engine()
+    cfg, params = tiny_params()
+    x = LoRARequest("ax", 41, random_adapter(cfg, 4, seed=81))
+    y = LoRARequest("ay", 42, random_adapter(cfg, 4, seed=82))
+    kv = eng.scheduler.kv_cache_manager
+    free = kv.num_free_blocks
+    try:
+        eng.add_request("run", PROMPT, GREEDY, lora_request=x)
+        eng.add_request("wait", PROMPT, GREEDY, lora_request=y)
+        eng.step()
+        assert eng.lora.num_waiting() == 1 and eng.scheduler.get_request("wait") is None
+        assert eng.abort("wait") and not eng._awaiting_grammar
+        outs = drain(eng)
+        assert "wait" not in outs and outs["run"].outputs[0].finish_reason == "length"
+        assert eng.lora.slots.slot_of(42) == 0 and eng.outputs.num_live == 0
+        assert kv.num_free_blocks == free and not eng.scheduler.requests
+        eng.lora.remove_lora(42)  # no live request uses it any more
+        o = _run(eng, {"after": (PROMPT, x)})["after"]  # the engine goes on
+        np.testing.assert_allclose(o[1], _reference(merged_params(params, x.lora_path),
+                                                    PROMPT, o[0]), atol=1e-4)
+    finally:
+        _cleanup(eng)
+
+
+def test_a_request_held_for_its_grammar_keeps_its_adapter_slot():
+    import concurrent.futures
+
+    from jaxserve.structured_output import GuidedSpec, StructuredOutputsParams
+
+    eng = _one_slot_engine()
+    cfg, _ = tiny_params()
+    x = LoRARequest("gx", 51, random_adapter(cfg, 4, seed=91))
+    y = LoRARequest("gy", 52, random_adapter(cfg, 4, seed=92))
+    guided = SamplingParams(max_tokens=N_OUT, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(choice=["ab", "ba"]))
+    real_submit = eng.grammars.submit
+    gate: concurrent.futures.Future = concurrent.futures.Future()
+    eng.grammars.submit = lambda spec: gate  # a compile that has not finished
+    try:
+        eng.add_request("g", PROMPT, guided, lora_request=x)  # held, with x's slot
+        eng.add_request("r", PROMPT, GREEDY, lora_request=y)
+        for _ in range(3):
+            assert eng.step() == []
+            assert eng.lora.slots.slot_of(51) == 1 and eng.lora.slots.slot_of(52) == 0
+            assert eng.lora.num_waiting() == 1 and not eng.scheduler.requests
+        gate.set_result(real_submit(GuidedSpec.make("choice", ["ab", "ba"])).result(timeout=30))
+        outs = drain(eng)
+        eng.grammars.submit = real_submit
+        solo = _run(eng, {"r": (PROMPT, y)})["r"]
+        eng.add_request("g", PROMPT, guided, lora_request=x)
+        g_solo = drain(eng)["g"].outputs[0]
+        assert list(outs["r"].outputs[0].token_ids) == solo[0]
+        assert outs["g"].outputs[0].token_ids == g_solo.token_ids
+        assert g_solo.finish_reason == "stop" and g_solo.text in ("ab", "ba")
+    finally:
+        eng.grammars.submit = real_submit
         _cleanup(eng)
 
 

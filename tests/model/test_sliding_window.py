@@ -121,3 +121,51 @@ def test_engine_with_windowed_layers_matches_the_dense_reference(family, unroll)
     stats = llm.engine.get_stats()
     assert stats["num_compiles_after_warmup"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_gemma_block_projections_take_quantized_weights_and_lora_deltas():
+    """The Gemma 3 block's seven projections go through `lora.project`: int8 weights give
+    the logits of the float model over the same weights dequantized (float64-free check
+    against numpy's dequantization), and a LoRA slot changes the block's output exactly
+    by the hand-computed delta of its q projection."""
+    import jax.numpy as jnp
+
+    from jaxserve.model import quant
+    from jaxserve.model.llama import decoder_layer, dense_causal_attn, rope_inv_freq
+    from jaxserve.model.lora import lora_leaf_shapes
+
+    cfg = ModelConfig.tiny(num_hidden_layers=2, sliding_window=5, dtype="float32",
+                           hidden_size=64, intermediate_size=96,
+                           layer_types=("sliding_attention", "full_attention"), **GEMMA_LIKE)
+    state = nnx.state(Llama(cfg, rngs=nnx.Rngs(5), init_std=0.3))
+    q = prepare_params(cfg, state, unroll_layers=True, quantization="int8")
+    assert any(quant.is_quantized(v) for v in q["layers"][0].values())
+    def deq_dict(d):
+        return {k: quant.dequantize_leaf(w, key=k) if quant.is_quantized(w) else w
+                for k, w in d.items()}
+    deq = deq_dict({k: v for k, v in q.items() if k != "layers"})
+    deq["layers"] = [deq_dict(lp) for lp in q["layers"]]
+    ids = np.arange(4, 12)
+    np.testing.assert_allclose(np.asarray(reference_logits(cfg, q, ids)),
+                               np.asarray(reference_logits(cfg, deq, ids)), rtol=2e-4, atol=2e-4)
+    # LoRA: only the q projection's A/B non-zero in slot 1; zero everywhere else.
+    p = prepare_params(cfg, state, unroll_layers=True)
+    lp = dict(p["layers"][0])
+    rng = np.random.default_rng(0)
+    for k, s in lora_leaf_shapes(cfg, 2, 4).items():
+        lp[k] = jnp.zeros(s, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(5, cfg.hidden_size)).astype(np.float32))
+
+    def run(slot):
+        return np.asarray(decoder_layer(cfg, x, lp, jnp.arange(5), jnp.asarray(rope_inv_freq(cfg)),
+                                        dense_causal_attn(cfg), None, jnp.int32(0),
+                                        lora_slots=jnp.full(5, slot, jnp.int32))[0])
+
+    base = run(0)
+    np.testing.assert_array_equal(run(1), base)  # a zero adapter adds nothing
+    a_name = next(k for k in lp if k.startswith("lora_a_wq"))
+    lp[a_name] = jnp.asarray(rng.normal(size=lp[a_name].shape).astype(np.float32))
+    lp[a_name.replace("lora_a_", "lora_b_")] = jnp.asarray(
+        rng.normal(size=lp[a_name.replace("lora_a_", "lora_b_")].shape).astype(np.float32))
+    assert not np.allclose(run(1), base, atol=1e-3)  # the adapter reaches the Gemma block
+    np.testing.assert_array_equal(run(0), base)  # slot 0 rows stay the base model's
