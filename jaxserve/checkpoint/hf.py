@@ -2,7 +2,7 @@
 directory into the jaxserve param tree.
 
 Reads config.json (-> `ModelConfig.from_hf_dict`, which checks the architecture
-against `jaxserve.config.HF_FAMILIES` and rejects sliding windows in use), `model.safetensors` or the
+against `jaxserve.config.HF_FAMILIES`), `model.safetensors` or the
 shards listed in `model.safetensors.index.json` (safetensors' NumPy API), and
 maps HF names to the tree through ONE table, `hf_name`. HF `nn.Linear`
 weights are [out, in]; the tree stores [in, out], so matrices are transposed.
