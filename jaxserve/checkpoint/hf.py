@@ -1,14 +1,22 @@
-"""Load a Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoint directory into the
-jaxserve param tree.
+"""Load a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 (text) checkpoint
+directory into the jaxserve param tree.
 
 Reads config.json (-> `ModelConfig.from_hf_dict`, which checks the architecture
-against `jaxserve.config.HF_FAMILIES` and rejects sliding windows in use), `model.safetensors` or the
+against `jaxserve.config.HF_FAMILIES`), `model.safetensors` or the
 shards listed in `model.safetensors.index.json` (safetensors' NumPy API), and
 maps HF names to the tree through ONE table, `hf_name`. HF `nn.Linear`
 weights are [out, in]; the tree stores [in, out], so matrices are transposed.
 HF q/k rows are already in rotate_half layout: no permutation here. Qwen2's
 q/k/v biases and Qwen3's per-head q/k norms map to the optional leaves
 bq/bk/bv and q_norm/k_norm, read only when the config switches them on.
+
+Gemma 3 (`Gemma3ForCausalLM`, model_type gemma3_text; `cfg.sandwich_norms`) renames the
+MLP norm (`pre_feedforward_layernorm`) and adds `post_attention_layernorm` /
+`post_feedforward_layernorm` (`GEMMA3_LAYER_NAMES`). Its RMSNorm computes x * (1 + w)
+and HF stores w; the tree holds the effective 1 + w on every norm leaf (q/k and final
+norms included), which is what llama.cpp's converter writes into a gemma3 GGUF, so both
+loaders give the same tree. A multimodal `Gemma3ForConditionalGeneration` checkpoint
+(vision tower, `language_model` prefixes) is refused: text only.
 """
 
 from __future__ import annotations
@@ -44,25 +52,47 @@ HF_LAYER_NAMES = {
     "q_norm": "model.layers.{i}.self_attn.q_norm.weight",  # Qwen3
     "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
 }
+# Gemma 3 (text): the names that differ from HF_LAYER_NAMES (transformers' Gemma3DecoderLayer).
+GEMMA3_LAYER_NAMES = {
+    **HF_LAYER_NAMES,
+    "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+# Leaves that are RMSNorm weights (Gemma stores w, applies 1 + w).
+NORM_LEAVES = frozenset({"attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm",
+                         "q_norm", "k_norm", "final_norm"})
 HF_TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
                 "lm_head": "lm_head.weight"}
 # Buffers some old checkpoints saved; they carry no weights.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def hf_name(leaf: str, layer: int | None = None) -> str:
-    """HF tensor name of a tree leaf (`layer` for per-layer leaves)."""
-    if leaf in HF_LAYER_NAMES:
-        return HF_LAYER_NAMES[leaf].format(i=layer)
+def hf_name(leaf: str, layer: int | None = None, *, gemma: bool = False) -> str:
+    """HF tensor name of a tree leaf (`layer` for per-layer leaves; `gemma`: Gemma 3's
+    names, for a config with `sandwich_norms`)."""
+    names = GEMMA3_LAYER_NAMES if gemma else HF_LAYER_NAMES
+    if leaf in names:
+        return names[leaf].format(i=layer)
     return HF_TOP_NAMES[leaf]
+
+
+def _refuse_multimodal(raw: dict, path: Path) -> None:
+    archs = raw.get("architectures") or []
+    if raw.get("model_type") == "gemma3" or any("ConditionalGeneration" in a for a in archs):
+        raise CheckpointError(
+            f"{path}: model_type={raw.get('model_type')!r}, architectures={archs!r} is a "
+            "multimodal checkpoint (e.g. Gemma3ForConditionalGeneration): jaxserve loads text-only "
+            "models (for Gemma 3: Gemma3ForCausalLM, model_type 'gemma3_text')")
 
 
 def load_hf_config(directory: str | Path, *, dtype: str | None = None) -> ModelConfig:
     """config.json (+ generation_config.json eos ids) -> ModelConfig.
 
     Raises:
-      CheckpointError: config.json missing/unparsable, an unsupported architecture, or
-        a sliding window in use (the message names the file and the fields).
+      CheckpointError: config.json missing/unparsable, an unsupported architecture (a
+        multimodal one such as Gemma3ForConditionalGeneration included), or a config the
+        family's switches cannot express (the message names the file and the fields).
     """
     d = Path(directory)
     path = d / "config.json"
@@ -70,6 +100,7 @@ def load_hf_config(directory: str | Path, *, dtype: str | None = None) -> ModelC
         raise CheckpointError(f"{d}: no config.json, not an HF checkpoint directory")
     try:
         raw = json.loads(path.read_text())
+        _refuse_multimodal(raw, path)
         gen = d / "generation_config.json"
         if gen.is_file():
             g_eos = json.loads(gen.read_text()).get("eos_token_id")
@@ -159,19 +190,28 @@ def read_safetensors(files: Iterable[Path], *, progress: bool = True) -> dict[st
 def convert_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: Path) -> dict:
     """HF-named float32 tensors -> param tree (float32, [in, out], layers stacked).
 
+    With `cfg.sandwich_norms` (Gemma 3) the names are `GEMMA3_LAYER_NAMES` and every norm
+    leaf (`NORM_LEAVES`) is stored as 1 + w, the weight Gemma's RMSNorm applies.
+
     Raises:
       CheckpointError: a required tensor is missing, has a wrong shape, or an
         unexpected tensor (e.g. a bias this architecture lacks) is present.
     """
     src = TensorSource(tensors, source)
     take, used = src.take, src.used
+    gemma = cfg.sandwich_norms
+
+    def norm(a: np.ndarray) -> np.ndarray:
+        return a + np.float32(1.0) if gemma else a
 
     def layer(i: int, leaf: str) -> np.ndarray:
-        a = take(hf_name(leaf, i))
+        a = take(hf_name(leaf, i, gemma=gemma))
+        if leaf in NORM_LEAVES:
+            return norm(a)
         return a.T if leaf in MATRIX_LEAVES else a  # stack_layers copies the view
 
     params = {"embed": take(hf_name("embed")), "layers": stack_layers(cfg, layer, source),
-              "final_norm": take(hf_name("final_norm"))}
+              "final_norm": norm(take(hf_name("final_norm")))}
     if cfg.tie_word_embeddings:
         used.add(hf_name("lm_head"))  # some exporters save the tied copy; it is the embedding
     else:

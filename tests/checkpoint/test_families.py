@@ -1,11 +1,12 @@
-"""Qwen2, Qwen3 and Mistral checkpoints vs HF transformers goldens (tests/fixtures/tiny_*).
+"""Qwen2, Qwen3, Mistral and Gemma 3 checkpoints vs HF transformers goldens (tests/fixtures/tiny_*).
 
 The fixtures come from each family's own transformers class (scripts/make_golden.py
 `--only families`): tiny_qwen2 has q/k/v biases, tiny_qwen3 per-head q/k RMSNorm and
 head_dim 16 != hidden/heads (tied), tiny_mistral head_dim 12 != hidden/heads and one KV
-head. Logits must match within 1e-4 (fp32) through the dense reference forward and through
+head; tiny_gemma3 (scripts/make_gemma3_hf_fixture.py) three sliding layers (window 6) and a
+global one, (1 + w) norms, query_pre_attn_scalar, soft-capping, two RoPE bases. Logits must match within 1e-4 (fp32) through the dense reference forward and through
 the full paged engine (chunked prefill, five requests batched), and the engine's greedy
-tokens must equal transformers' greedy.json. Sliding windows in use are rejected.
+tokens must equal transformers' greedy.json, on sequences longer than Gemma's window.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jaxserve.model.llama import reference_logits
 
 from .conftest import FIXTURES, max_err
 
-FAMILIES = ["tiny_qwen2", "tiny_qwen3", "tiny_mistral"]
+FAMILIES = ["tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_gemma3"]
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -42,7 +43,7 @@ def test_reference_forward_matches_transformers(name):
 
 
 def test_fixtures_exercise_their_switches():
-    q2, q3, mi = (load_hf_config(FIXTURES / n) for n in FAMILIES)
+    q2, q3, mi = (load_hf_config(FIXTURES / n) for n in FAMILIES[:3])
     assert (q2.attention_bias, q2.qk_norm, q2.tie_word_embeddings) == (True, False, False)
     assert (q3.attention_bias, q3.qk_norm, q3.tie_word_embeddings) == (False, True, True)
     assert q3.head_dim == 16 and q3.head_dim * q3.num_attention_heads != q3.hidden_size
@@ -175,4 +176,67 @@ def test_missing_family_tensor_is_named(tmp_path):
     del t["model.layers.1.self_attn.k_norm.weight"]
     save_file(t, str(d / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_norm"):
+        load_model(d, cache_dir=None, progress=False)
+
+
+def test_gemma3_fixture_exercises_its_features():
+    """Every Gemma 3 feature the fixture carries is read, and each matters: the logits
+    move by > 1e-2 without it (so the 1e-4 match above sees it missing)."""
+    cfg, params, _ = load_model(FIXTURES / "tiny_gemma3", cache_dir=None, progress=False)
+    assert cfg.layer_windows == (6, 6, None, 6)
+    assert (cfg.qk_norm, cfg.sandwich_norms, cfg.scale_embeddings, cfg.tie_word_embeddings,
+            cfg.hidden_act) == (True, True, True, True, "gelu_pytorch_tanh")
+    assert (cfg.head_dim, cfg.query_pre_attn_scalar, cfg.rope_local_base_freq, cfg.rope_theta,
+            cfg.final_logit_softcapping) == (32, 24.0, 2e4, 1e6, 5.0)
+    gold = np.load(FIXTURES / "tiny_gemma3" / "logits.npz")
+    ids, want = gold["ids_2"], gold["logits_2"]
+    assert len(ids) > 2 * 6  # two windows: the window masks keys here
+    assert max_err(reference_logits(cfg, params, ids), want) < 1e-4
+    no_shift = {**params, "final_norm": params["final_norm"] - 1.0, "layers": {
+        k: v - 1.0 if k.endswith("norm") else v for k, v in params["layers"].items()}}
+    for c, p in ((cfg, no_shift),  # HF's stored w, not Gemma's 1 + w
+                 (cfg.replace(layer_types=None, sliding_window=None), params),
+                 (cfg.replace(query_pre_attn_scalar=32.0), params),
+                 (cfg.replace(rope_local_base_freq=1e6), params),
+                 (cfg.replace(final_logit_softcapping=None), params)):
+        assert max_err(reference_logits(c, p, ids), want) > 1e-2
+
+
+def test_gemma3_names_and_norm_shift():
+    """The tree's Gemma leaves are HF's tensors: MLP norm = pre_feedforward_layernorm,
+    post norms from their own tensors, every norm 1 + w (llama.cpp's GGUF convention)."""
+    raw = load_file(str(FIXTURES / "tiny_gemma3" / "model.safetensors"))
+    _, params, _ = load_model(FIXTURES / "tiny_gemma3", cache_dir=None, progress=False)
+    lay = params["layers"]
+    for leaf, hf in (("attn_norm", "input_layernorm"), ("mlp_norm", "pre_feedforward_layernorm"),
+                     ("post_attn_norm", "post_attention_layernorm"),
+                     ("post_mlp_norm", "post_feedforward_layernorm"),
+                     ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm")):
+        np.testing.assert_array_equal(lay[leaf][3], raw[f"model.layers.3.{hf}.weight"] + 1.0)
+    np.testing.assert_array_equal(params["final_norm"], raw["model.norm.weight"] + 1.0)
+    np.testing.assert_array_equal(lay["wq"][2], raw["model.layers.2.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(params["embed"], raw["model.embed_tokens.weight"])
+    assert "lm_head" not in params
+
+
+def test_gemma3_multimodal_checkpoint_is_refused_by_name(tmp_path):
+    d = tmp_path / "mm"
+    shutil.copytree(FIXTURES / "tiny_gemma3", d)
+    text = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}}))
+    with pytest.raises(CheckpointError, match="Gemma3ForConditionalGeneration.*text-only"):
+        load_model(d, cache_dir=None, progress=False)
+
+
+def test_gemma3_missing_post_norm_is_named(tmp_path):
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "g"
+    shutil.copytree(FIXTURES / "tiny_gemma3", d)
+    t = load_file(str(d / "model.safetensors"))
+    del t["model.layers.2.post_feedforward_layernorm.weight"]
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.post_feedforward"):
         load_model(d, cache_dir=None, progress=False)

@@ -4,7 +4,9 @@ tiny_qwen2_gguf/ is the tiny Qwen2 written as llama.cpp's converter does (arch "
 attn_{q,k,v}.bias, Q/K rows not permuted); its golden logits come from transformers'
 own GGUF loader. transformers cannot load a qwen3 GGUF with head_dim != hidden/heads
 (it ignores attention.key_length), so the Qwen3 GGUF is written here from the HF
-fixture and checked against that fixture's HF golden logits.
+fixture and checked against that fixture's HF golden logits. The tiny Gemma 3 is written
+as llama.cpp's Gemma3Model converter writes it (norm weights + 1): the GGUF loader's tree
+must equal the HF loader's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from safetensors.numpy import load_file
 
 from jaxserve.checkpoint import CheckpointError, load_model
 from jaxserve.checkpoint.gguf_loader import GGUF_LAYER_NAMES, GGUF_TOP_NAMES
-from jaxserve.checkpoint.hf import HF_LAYER_NAMES, HF_TOP_NAMES
+from jaxserve.checkpoint.hf import GEMMA3_LAYER_NAMES, HF_LAYER_NAMES, HF_TOP_NAMES
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.model.llama import reference_logits
 
@@ -50,19 +52,21 @@ def test_qwen2_gguf_sliding_window_loads_on_every_layer(gguf_rewriter):
 
 
 def _hf_to_gguf(src, dst, arch: str):
-    """An HF dir as an F32 GGUF of `arch` (no Q/K permutation: not llama), with its tokenizer."""
+    """An HF dir as an F32 GGUF of `arch` (no Q/K permutation: not llama), with its tokenizer;
+    gemma3 as llama.cpp's converter writes it (Gemma names, every norm weight + 1)."""
     c = json.loads((src / "config.json").read_text())
     tj = json.loads((src / "tokenizer.json").read_text())
     vocab = {**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
     specials = {t["content"] for t in tj["added_tokens"] if t["special"]}
+    rp = c["rope_parameters"]
     w = gguf.GGUFWriter(str(dst), arch)
     for add, v in ((w.add_context_length, c["max_position_embeddings"]),
                    (w.add_embedding_length, c["hidden_size"]), (w.add_block_count, c["num_hidden_layers"]),
                    (w.add_feed_forward_length, c["intermediate_size"]),
                    (w.add_head_count, c["num_attention_heads"]), (w.add_head_count_kv, c["num_key_value_heads"]),
                    (w.add_key_length, c["head_dim"]), (w.add_value_length, c["head_dim"]),
-                   (w.add_rope_freq_base, c["rope_parameters"]["rope_theta"]),
+                   (w.add_rope_freq_base, rp.get("full_attention", rp)["rope_theta"]),
                    (w.add_layer_norm_rms_eps, c["rms_norm_eps"]), (w.add_tokenizer_model, "gpt2"),
                    (w.add_tokenizer_pre, "qwen2"), (w.add_token_list, tokens),
                    (w.add_token_types, [3 if t in specials else 1 for t in tokens]),
@@ -70,13 +74,19 @@ def _hf_to_gguf(src, dst, arch: str):
                                          for m in tj["model"]["merges"]]),
                    (w.add_bos_token_id, c["bos_token_id"]), (w.add_eos_token_id, c["eos_token_id"])):
         add(v)
+    gemma = arch == "gemma3"
+    if gemma:
+        w.add_sliding_window(c["sliding_window"])
+        w.add_final_logit_softcapping(c["final_logit_softcapping"])
     hf = load_file(str(src / "model.safetensors"))
+    layer_names = GEMMA3_LAYER_NAMES if gemma else HF_LAYER_NAMES
     names = {HF_TOP_NAMES[k]: GGUF_TOP_NAMES[k] for k in HF_TOP_NAMES}
     for i in range(c["num_hidden_layers"]):
-        names.update({HF_LAYER_NAMES[k].format(i=i): GGUF_LAYER_NAMES[k].format(i=i)
-                      for k in HF_LAYER_NAMES})
+        names.update({layer_names[k].format(i=i): GGUF_LAYER_NAMES[k].format(i=i)
+                      for k in layer_names})
     for name, a in hf.items():
-        w.add_tensor(names[name], np.ascontiguousarray(a, np.float32))
+        shift = 1.0 if gemma and name.endswith("norm.weight") else 0.0
+        w.add_tensor(names[name], np.ascontiguousarray(a + shift, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -93,6 +103,29 @@ def test_qwen3_gguf_matches_hf_logits(tmp_path):
         assert max_err(reference_logits(cfg, params, gold[f"ids_{j}"]), gold[f"logits_{j}"]) < 1e-4
     hf_tok = Tokenizer.from_hf_dir(FIXTURES / "tiny_qwen3")
     assert tok.encode("the cat sat on") == hf_tok.encode("the cat sat on")
+
+
+def test_gemma3_gguf_and_hf_loaders_give_the_same_tree(tmp_path):
+    path = _hf_to_gguf(FIXTURES / "tiny_gemma3", tmp_path / "g3.gguf", "gemma3")
+    g_cfg, g_params, _ = load_model(path, cache_dir=None, progress=False)
+    cfg, params, _ = load_model(FIXTURES / "tiny_gemma3", cache_dir=None, progress=False)
+
+    def leaves(t, pre=""):
+        return {k2: v2 for k, v in t.items()
+                for k2, v2 in (leaves(v, f"{pre}{k}/") if isinstance(v, dict) else {pre + k: v}).items()}
+    g, h = leaves(g_params), leaves(params)
+    assert sorted(g) == sorted(h)
+    for k in h:
+        np.testing.assert_array_equal(g[k], h[k], err_msg=k)
+    # What a gemma3 GGUF cannot say (llama.cpp hard-codes the 5:1 pattern, the local base and
+    # query_pre_attn_scalar = head_dim) taken from HF; the rest of the config is the file's.
+    hf_only = dict(layer_types=cfg.layer_types, rope_local_base_freq=cfg.rope_local_base_freq,
+                   query_pre_attn_scalar=cfg.query_pre_attn_scalar)
+    assert g_cfg.rms_norm_eps == pytest.approx(cfg.rms_norm_eps, rel=1e-6)  # GGUF stores f32
+    assert g_cfg.replace(**hf_only, rms_norm_eps=cfg.rms_norm_eps) == cfg
+    gold = np.load(FIXTURES / "tiny_gemma3" / "logits.npz")
+    assert max_err(reference_logits(g_cfg.replace(**hf_only), g_params, gold["ids_2"]),
+                   gold["logits_2"]) < 1e-4
 
 
 def test_qwen2_pre_tokenizer_splits_every_digit():
