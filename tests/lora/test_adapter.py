@@ -66,3 +66,34 @@ def test_slots_lru_and_allowed_dir(tmp_path):
     k = slots.cache_key(2)
     slots.update("a2", random_adapter(cfg, 2, seed=9, targets=["wv"]))
     assert slots.cache_key(2) != k and slots.version(2) == 1
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4", "int8"])
+def test_lora_delta_adds_over_quantized_base_weights(scheme):
+    """Issue 27 item 6: `lora.project` over a quantized base projection equals the
+    dequantized base matmul plus each token's own adapter product, in float64 numpy
+    (slot 0 tokens get the base alone)."""
+    import jax.numpy as jnp
+
+    from jaxserve.model import quant
+    from jaxserve.model.lora import project
+
+    rng = np.random.default_rng(3)
+    K, N, S, r, T = 64, 48, 2, 4, 6
+    w = rng.normal(size=(K, N)).astype(np.float32)
+    qw = quant.quantize_leaf(w, scheme, key="wq")
+    assert quant.is_quantized(qw)
+    wd = quant.dequantize_leaf(qw, key="wq").astype(np.float64)
+    a = rng.normal(size=(K, S, r)).astype(np.float32)
+    b = rng.normal(size=(S, r, N)).astype(np.float32)
+    h = rng.normal(size=(T, K)).astype(np.float32)
+    slots = np.array([0, 1, 2, 1, 0, 2], np.int32)
+    lp = {"wq": qw, "lora_a_wq": jnp.asarray(a), "lora_b_wq": jnp.asarray(b)}
+    got = np.asarray(project(jnp.asarray(h), lp, "wq", jnp.asarray(slots)))
+    want = h.astype(np.float64) @ wd
+    for t, s in enumerate(slots):
+        if s:
+            want[t] += h[t].astype(np.float64) @ a[:, s - 1, :] @ b[s - 1]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    base = np.asarray(project(jnp.asarray(h), lp, "wq", None))
+    np.testing.assert_allclose(base, h.astype(np.float64) @ wd, rtol=1e-4, atol=1e-3)
