@@ -122,7 +122,9 @@ def test_adapter_churn_while_requests_run_compiles_nothing():
             eng.step()
         eng.lora.add_lora(reqs[1])  # add while running
         eng.add_request("run1", PROMPT, GREEDY, lora_request=reqs[1])
-        eng.step()
+        for _ in range(2):  # run1 has run (async scheduling admits it one step() later)
+            eng.step()
+        assert eng.scheduler.get_request("run1").num_output_tokens >= 1
         eng.lora.update_lora("c1", to_peft_state_dict(trees[2] | {"scaling": 1.0}),
                              in_flight="abort")  # replace: run1 fails, the others go on
         eng.lora.add_lora(reqs[2])
