@@ -411,7 +411,7 @@ class EngineConfig:
     # tokens are back, then process step n's outputs (detokenizer, stop strings,
     # RequestOutputs) while the device runs n+1. Outputs are the same as with it off; a
     # request that a stop string ends wastes one row of the step already dispatched.
-    # Steps while a structured-output request is live run without overlap.
+    # A step with structured-output rows is followed without overlap.
     async_scheduling: bool = True
 
     def __post_init__(self):

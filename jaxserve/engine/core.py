@@ -262,8 +262,10 @@ class LLMEngine:
         grammar = self.grammars is not None and self.grammars.num_compiled
         if overlap is None:
             overlap = self.async_scheduling
-        if (overlap and not self.pauser.paused and not self.sleeper.is_sleeping
-                and not (grammar and self._has_grammar_rows())):
+        # A row that sampled under a grammar must accept its token before its next mask:
+        # after such a step the next is planned only once the matchers have advanced.
+        if (overlap and out.grammar is None and not self.pauser.paused
+                and not self.sleeper.is_sleeping):
             self._dispatch(outs)  # step n+1 runs while step n's outputs are processed
         progressed, fin = self.outputs.process_tokens(sampled, time.monotonic())
         self._apply(fin)
@@ -273,11 +275,6 @@ class LLMEngine:
             self._apply(fin)
             changed += progressed
         return outs + self.outputs.collect(changed)
-
-    def _has_grammar_rows(self) -> bool:
-        """A running or waiting request has a grammar: its next mask needs this step's
-        token accepted first, so the next step is planned only after output processing."""
-        return any(r.grammar is not None for r in self.scheduler.requests.values())
 
     def _dispatch(self, outs: list[RequestOutput]) -> bool:
         """Plan a step and dispatch it to the runner (`self._inflight`); False when it has
