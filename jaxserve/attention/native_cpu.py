@@ -37,8 +37,6 @@ TARGET = "jaxserve_paged_decode_f32"
 _SRC = Path(__file__).with_name("native") / "paged_decode.cc"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared",
           "-fPIC")
-_lock = threading.Lock()
-_state: dict = {}
 
 
 def _cpu_flags() -> str:
@@ -83,38 +81,54 @@ def build_library(src_path: Path, stem: str) -> Path:
     return lib
 
 
-def _build() -> Path:
-    """The decode-attention kernel's library (`build_library`)."""
-    return build_library(_SRC, "paged_decode")
+class NativeKernels:
+    """One C++ source built once per process (`build_library`) whose exported XLA FFI
+    handlers are registered as XLA:CPU custom-call targets. Shared by the decode-attention
+    kernel here and `jaxserve.model.native_qmatmul`.
+
+    Args:
+      src: the .cc file; stem: the library's file-name stem; targets: {custom-call target
+        name: exported handler symbol}; what: the kernels' name in messages.
+    """
+
+    def __init__(self, src: Path, stem: str, targets: dict[str, str], what: str):
+        self.src, self.stem, self.targets, self.what = src, stem, targets, what
+        self._lock = threading.Lock()
+        self._state: dict = {}
+
+    def available(self) -> bool:
+        """Build (once per process) and register the kernels; False (logged) if impossible."""
+        with self._lock:
+            if "ok" not in self._state:
+                try:
+                    lib = ctypes.cdll.LoadLibrary(str(build_library(self.src, self.stem)))
+                    for target, symbol in self.targets.items():
+                        jax.ffi.register_ffi_target(
+                            target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                    self._state.update(ok=True, lib=lib)
+                except (RuntimeError, OSError, AttributeError) as e:
+                    log.warning("%s unavailable: %s", self.what, e)
+                    self._state.update(ok=False, reason=str(e))
+            return self._state["ok"]
+
+    def status(self) -> str:
+        """"built <library>", "unavailable" or "not tried", without building anything: a
+        part of the executable-cache key (a program traced with the kernel cannot run
+        where the kernel does not load)."""
+        if "ok" not in self._state:
+            return "not tried"
+        return (f"built {Path(self._state['lib']._name).name}" if self._state["ok"]
+                else "unavailable")
+
+    def unavailable_reason(self) -> str | None:
+        """Why `available()` returned False (None if it was never called or succeeded)."""
+        return self._state.get("reason")
 
 
-def available() -> bool:
-    """Build (once per process) and register the kernel; False if that is impossible."""
-    with _lock:
-        if "ok" not in _state:
-            try:
-                lib = ctypes.cdll.LoadLibrary(str(_build()))
-                jax.ffi.register_ffi_target(
-                    TARGET, jax.ffi.pycapsule(lib.JaxservePagedDecodeF32), platform="cpu")
-                _state.update(ok=True, lib=lib)
-            except (RuntimeError, OSError, AttributeError) as e:
-                log.warning("native CPU decode attention unavailable: %s", e)
-                _state.update(ok=False, reason=str(e))
-        return _state["ok"]
-
-
-def status() -> str:
-    """"built <library>", "unavailable" or "not tried", without building anything: a part
-    of the executable-cache key (a program traced with the kernel cannot run where the
-    kernel does not load)."""
-    if "ok" not in _state:
-        return "not tried"
-    return f"built {Path(_state['lib']._name).name}" if _state["ok"] else "unavailable"
-
-
-def unavailable_reason() -> str | None:
-    """Why `available()` returned False (None if it was never called or succeeded)."""
-    return _state.get("reason")
+_KERNELS = NativeKernels(_SRC, "paged_decode", {TARGET: "JaxservePagedDecodeF32"},
+                         "native CPU decode attention")
+available, status, unavailable_reason = (_KERNELS.available, _KERNELS.status,
+                                         _KERNELS.unavailable_reason)
 
 
 def paged_decode(q, kv_len, pages, k_cache, v_cache, layer, *, sm_scale: float,

@@ -5,52 +5,26 @@ multiply fusion writes the f32 matrix, then the dot reads it back: notes/issue26
 so a quantized weight would move more bytes than an fp32 one. The kernel reads the
 blocks once and dequantizes them in registers, as llama.cpp's vec_dot kernels do.
 Built and cached like the decode-attention kernel (`jaxserve.attention.native_cpu
-.build_library`), registered as `jaxserve_qmatmul_q8` / `jaxserve_qmatmul_q4` for CPU.
+.NativeKernels`), registered as `jaxserve_qmatmul_q8` / `jaxserve_qmatmul_q4` for CPU.
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention.native_cpu import build_library
+from jaxserve.attention.native_cpu import NativeKernels
 
-log = logging.getLogger(__name__)
 
 TARGETS = {"q8": "jaxserve_qmatmul_q8", "q4": "jaxserve_qmatmul_q4"}
 _SYMBOLS = {"q8": "JaxserveQMatmulQ8", "q4": "JaxserveQMatmulQ4"}
 _SRC = Path(__file__).with_name("native") / "qmatmul.cc"
-_lock = threading.Lock()
-_state: dict = {}
-
-
-def available() -> bool:
-    """Build (once per process) and register the kernels; False (logged) if impossible."""
-    with _lock:
-        if "ok" not in _state:
-            try:
-                lib = ctypes.cdll.LoadLibrary(str(build_library(_SRC, "qmatmul")))
-                for kind, target in TARGETS.items():
-                    jax.ffi.register_ffi_target(
-                        target, jax.ffi.pycapsule(getattr(lib, _SYMBOLS[kind])), platform="cpu")
-                _state.update(ok=True, lib=lib)
-            except (RuntimeError, OSError, AttributeError) as e:
-                log.warning("native CPU quantized matmul unavailable: %s", e)
-                _state.update(ok=False, reason=str(e))
-        return _state["ok"]
-
-
-def status() -> str:
-    """"built <library>", "unavailable" or "not tried" (part of the executable-cache key)."""
-    if "ok" not in _state:
-        return "not tried"
-    return f"built {Path(_state['lib']._name).name}" if _state["ok"] else "unavailable"
+_KERNELS = NativeKernels(_SRC, "qmatmul", {TARGETS[k]: _SYMBOLS[k] for k in TARGETS},
+                         "native CPU quantized matmul")
+available, status = _KERNELS.available, _KERNELS.status  # build + register; cache-key part
 
 
 def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, mn: jax.Array | None, *, kind: str,
@@ -62,7 +36,8 @@ def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, mn: jax.Array | None, 
       (At run time the call fails naming the shapes if they do not agree.)
     """
     if not available():
-        raise RuntimeError(f"native CPU quantized matmul unavailable: {_state.get('reason')}")
+        raise RuntimeError(f"native CPU quantized matmul unavailable: "
+                           f"{_KERNELS.unavailable_reason()}")
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
     args = (x.astype(jnp.float32), q, scale) + ((mn,) if kind == "q4" else ())
     return jax.ffi.ffi_call(TARGETS[kind], out)(*args, block=np.int64(block))
