@@ -3,13 +3,11 @@ against HF transformers' greedy golden (made from the same Q4_1 weights)."""
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
-from jaxserve.sampling_params import SamplingParams
-from tests.model.test_real_model import GOLDEN, agree_until_near_tie
+from tests.model.test_real_model import assert_reproduces_hf_greedy
 
 pytestmark = pytest.mark.slow  # needs the fetched SmolLM2 file (`make model`)
 
@@ -37,19 +35,6 @@ def test_q4_1_blocks_engine_reproduces_hf_greedy():
                                 max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32),
                                 seq_buckets=(4,), attention_backend="xla", quantization="auto")
     engine = LLMEngine(config, params, tok, model_name="smollm2-q4_1", progress=False)
-    golden = json.loads(GOLDEN.read_text())
-    n = golden["max_new_tokens"]
-    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    for i, run in enumerate(golden["runs"]):
-        engine.add_request(f"g{i}", run["prompt_ids"], sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    for i, run in enumerate(golden["runs"]):
-        got = done[f"g{i}"].outputs[0].token_ids
-        ok, where = agree_until_near_tie(got, run["greedy_ids"], run["top2_logit_gap"])
-        assert ok, f"prompt {i} diverges from HF at step {where}: {got} vs {run['greedy_ids']}"
+    assert_reproduces_hf_greedy(engine)
     assert engine.get_stats()["num_compiles_after_warmup"] == 0
     assert sum(x.nbytes for x in __import__("jax").tree.leaves(engine.runner.params)) < 120e6

@@ -56,10 +56,10 @@ def smollm2_engine():
     return LLMEngine(config, params, tok, model_name="smollm2", progress=False)
 
 
-def test_smollm2_engine_reproduces_hf_greedy(smollm2_engine):
+def assert_reproduces_hf_greedy(engine) -> None:
+    """Every golden prompt's greedy tokens from `engine` agree with HF's until a near tie."""
     golden = json.loads(GOLDEN.read_text())
     assert len(golden["runs"]) >= 4
-    engine = smollm2_engine
     n = golden["max_new_tokens"]
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     for i, run in enumerate(golden["runs"]):
@@ -73,6 +73,11 @@ def test_smollm2_engine_reproduces_hf_greedy(smollm2_engine):
         got = done[f"g{i}"].outputs[0].token_ids
         ok, where = agree_until_near_tie(got, run["greedy_ids"], run["top2_logit_gap"])
         assert ok, f"prompt {i} diverges from HF at step {where}: {got} vs {run['greedy_ids']}"
+
+
+def test_smollm2_engine_reproduces_hf_greedy(smollm2_engine):
+    engine = smollm2_engine
+    assert_reproduces_hf_greedy(engine)
     stats = engine.get_stats()
     assert stats["num_compiles_after_warmup"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
