@@ -234,6 +234,7 @@ class TensorParallel:
         self.devices = devices[:tp]
         self.mesh = (Mesh(np.array(devices[:tp]).reshape(1, tp), (DP_AXIS, TP_AXIS))
                      if tp > 1 or multi else None)
+        self._constants: dict[int, Any] = {}  # id of a `constant_array` -> its device copy
 
     # Executable-cache key parts that name where the programs run beyond the process's
     # own devices (a deviceless compile's target, `jaxserve.gpu.deviceless`); none here.
@@ -328,11 +329,10 @@ class TensorParallel:
         return self._put_batch(host)
 
     def _constant(self, x: np.ndarray) -> Any:
-        cache = self.__dict__.setdefault("_constants", {})  # id -> (array, device copy)
-        hit = cache.get(id(x))
-        if hit is None or hit[0] is not x:
-            hit = cache[id(x)] = (x, self._put_batch(x))
-        return hit[1]
+        dev = self._constants.get(id(x))  # constant arrays live forever: their ids are unique
+        if dev is None:
+            dev = self._constants[id(x)] = self._put_batch(x)
+        return dev
 
     def _put_batch(self, host: Any) -> Any:
         if self.mesh is None:
