@@ -81,6 +81,23 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def snapshot(cls, index: int, text: Any, token_ids: Any, delta_text: str,
+                 delta_token_ids: list[int], logprobs: Any, delta_logprobs: Any,
+                 token_logprobs: Any, cumulative_logprob: float, finish_reason: str | None,
+                 stop_reason: int | str | None, error: str | None) -> "CompletionOutput":
+        """The constructor's result for these fields (`token_weight_versions` empty), a
+        `ListPrefix` stored as is, built without the dataclass's per-field property
+        setters: the engine makes one per row per step."""
+        self = object.__new__(cls)
+        self.__dict__ = {
+            "index": index, "_text": text, "_token_ids": token_ids, "delta_text": delta_text,
+            "delta_token_ids": delta_token_ids, "_logprobs": logprobs,
+            "delta_logprobs": delta_logprobs, "_token_logprobs": token_logprobs,
+            "cumulative_logprob": cumulative_logprob, "finish_reason": finish_reason,
+            "stop_reason": stop_reason, "error": error, "_token_weight_versions": []}
+        return self
+
     @property
     def num_tokens(self) -> int:
         """len(token_ids), without copying a `ListPrefix` the engine stored there."""
@@ -89,12 +106,12 @@ class CompletionOutput:
 
 
 class ListPrefix:
-    """The first `n` entries of an append-only list, copied only when read.
+    """The first `n` entries of an append-only list (or of a str), copied only when read.
 
-    The engine sets one as a completion's `token_ids`, `token_logprobs`, `logprobs` and
-    `token_weight_versions`, so each step costs O(1) per row instead of a copy of every
+    The engine sets one as a completion's `text`, `token_ids`, `token_logprobs`, `logprobs`
+    and `token_weight_versions`, so each step costs O(1) per row instead of a copy of every
     token so far (vLLM V1 hands out its live lists instead); the entries below `n` never
-    change, so the copy made on first read equals one made at that step.
+    change (a str never does), so the copy made on first read equals one made at that step.
     """
 
     __slots__ = ("base", "n")
@@ -124,8 +141,11 @@ def _lazy_list(name: str, doc: str) -> property:
 
 
 # Installed after @dataclass: each field keeps its name, default, repr, eq and asdict (all
-# read through the property, which always gives a plain list); a ListPrefix is stored as is.
-for _name, _doc in (("token_ids", "The output token ids so far."),
+# read through the property, which always gives a plain list or str); a ListPrefix is
+# stored as is.
+_LAZY = ("text", "token_ids", "token_logprobs", "logprobs", "token_weight_versions")
+for _name, _doc in (("text", "The output text so far."),
+                    ("token_ids", "The output token ids so far."),
                     ("token_logprobs", "The logprob of each output token."),
                     ("logprobs", "Per output token {id: logprob}, when requested, else None."),
                     ("token_weight_versions", "The weight version each token was sampled "

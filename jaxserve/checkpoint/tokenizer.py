@@ -322,6 +322,12 @@ class Tokenizer:
 
     # -- the interface ----------------------------------------------------------------------
 
+    @property
+    def backend_tokenizer(self) -> tokenizers.Tokenizer:
+        """The wrapped `tokenizers.Tokenizer` (the name transformers' fast tokenizers use);
+        the detokenizer streams through it (`tokenizers.decoders.DecodeStream`)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Text -> token ids. Special-token strings in `text` map to their ids.
 

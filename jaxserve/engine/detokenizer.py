@@ -15,13 +15,22 @@ and while a request runs, a tail that is a proper prefix of some stop string is 
 back (unless `include_stop_str_in_output`, where nothing after a match can have
 been emitted early). Held-back text is flushed when the request finishes for
 another reason (EOS, max_tokens, abort).
+
+Fast path (issue 24): a tokenizer that exposes its Rust `tokenizers.Tokenizer`
+(`backend_tokenizer`, as ours and transformers' fast tokenizers do) is streamed through
+`tokenizers.decoders.DecodeStream`, the same offset scheme in one Rust call per token
+(~1 us against ~20 us for two window decodes in Python). Where the two could differ, the
+request goes back to the window scheme for good: a prompt whose context ends mid-character
+(DecodeStream would re-emit the context) and more than `_MAX_PENDING` tokens with no text
+(a genuinely invalid byte run: the window scheme emits U+FFFD, DecodeStream waits).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
+
+from tokenizers.decoders import DecodeStream
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -40,9 +49,9 @@ class TokenizerLike(Protocol):
     def convert_ids_to_tokens(self, ids): ...
 
 
-@dataclasses.dataclass(frozen=True)
-class DetokenizerUpdate:
-    """Result of one `IncrementalDetokenizer.update` call.
+class DetokenizerUpdate(NamedTuple):
+    """Result of one `IncrementalDetokenizer.update` call (a NamedTuple: one is made per
+    row per step, and a tuple is several times cheaper to build than a frozen dataclass).
 
     delta_text: new text to stream (possibly empty).
     stop_string: the stop string that matched in this update; the request must finish
@@ -78,11 +87,29 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of _text already returned as deltas
         self._finished = False
         self._stop_string: str | None = None
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream: DecodeStream | None = None
+        if self._backend is not None:
+            self._vocab = self._backend.get_vocab_size(with_added_tokens=True)
+            context = self._ids[self._prefix_offset:]
+            if not self._decode(self._prefix_offset, self._read_offset).endswith(_REPLACEMENT):
+                self._stream = DecodeStream(ids=context, skip_special_tokens=self._skip)
 
     @property
     def output_text(self) -> str:
         """Text streamed so far; after finishing, the final output text."""
         return self._text[:self._emitted]
+
+    @property
+    def text(self) -> str:
+        """The stable text decoded so far, held-back tail included (`output_text` is its
+        first `num_emitted` characters); a str, so a reference to it is a snapshot."""
+        return self._text
+
+    @property
+    def num_emitted(self) -> int:
+        """Characters of `text` streamed so far."""
+        return self._emitted
 
     @property
     def finished(self) -> bool:
@@ -119,6 +146,53 @@ class IncrementalDetokenizer:
             return ""  # e.g. a special token skipped in decoding
         self._prefix_offset, self._read_offset = self._read_offset, end
         return full[len(prefix):]
+
+    @property
+    def plain(self) -> bool:
+        """True while `update_one` applies: streaming, no stop strings, not finished."""
+        return self._stream is not None and not self._stops and not self._finished
+
+    def update_one(self, t: int) -> str:
+        """`update([t], finished=False).delta_text` when `plain` (the caller checks): one
+        token through the DecodeStream, no stop strings to search or hold back for.
+
+        Raises:
+          ValueError: t outside the tokenizer's vocabulary.
+        """
+        t = int(t)
+        if not 0 <= t < self._vocab:
+            raise ValueError(f"token id {t} outside [0, vocab_size={self._vocab})")
+        self._ids.append(t)
+        chunk = self._stream.step(self._backend, t)
+        if chunk is None:
+            if len(self._ids) - self._read_offset <= _MAX_PENDING:
+                return ""
+            self._stream = None
+            chunk = self._advance(force=False)
+        else:
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._text += chunk
+        self._emitted = len(self._text)
+        return chunk
+
+    def _step_stream(self, new_token_ids: Sequence[int]) -> str:
+        """Feed ids to the DecodeStream, keeping the window offsets as `_advance` would set
+        them; hands the request to the window scheme if the stream waits too long."""
+        text = ""
+        for k, t in enumerate(new_token_ids):
+            t = int(t)
+            if not 0 <= t < self._vocab:
+                raise ValueError(f"token id {t} outside [0, vocab_size={self._vocab})")
+            self._ids.append(t)
+            chunk = self._stream.step(self._backend, t)
+            if chunk is not None:
+                text += chunk
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            elif len(self._ids) - self._read_offset > _MAX_PENDING:
+                self._stream = None  # an invalid byte run: the window scheme from here on
+                self._ids.extend(int(i) for i in new_token_ids[k + 1:])
+                return text + self._advance(force=False)
+        return text
 
     def _find_stop(self, start: int) -> tuple[int, str] | None:
         """(start index, stop string) of the match beginning at or after `start` that
@@ -172,8 +246,15 @@ class IncrementalDetokenizer:
             if not self._include_stop and new_token_ids:
                 new_token_ids = new_token_ids[:-1]
         old_len = len(self._text)
-        self._ids.extend(int(t) for t in new_token_ids)
-        self._text += self._advance(force=finished)
+        if self._stream is not None:
+            if not finished and not self._stops and len(new_token_ids) == 1:
+                return DetokenizerUpdate(self.update_one(new_token_ids[0]))
+            self._text += self._step_stream(new_token_ids)
+            if finished:  # emit what the stream still holds (an incomplete character)
+                self._text += self._advance(force=True)
+        else:
+            self._ids.extend(int(t) for t in new_token_ids)
+            self._text += self._advance(force=finished)
         if self._stops:
             # A new match ends in the new text, so it starts at most longest-1 chars
             # earlier. Without include_stop_str_in_output, the hold-back guarantees that

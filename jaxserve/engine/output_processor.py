@@ -26,6 +26,7 @@ from jaxserve.worker.runner import PromptLogprobs, SampledToken
 from jaxserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass
@@ -147,9 +148,12 @@ class OutputProcessor:
 
     # ------------------------------------------------------------ per step
     def on_scheduled(self, out: SchedulerOutput, now: float) -> None:
-        """Stamp first_scheduled_time of the requests in this plan."""
-        for sr in out.scheduled:
-            m = self._parent(sr.request_id).metrics
+        """Stamp first_scheduled_time of the requests in this plan (a request's first
+        plan always carries its `NewRequestData`, so only those rows are looked at)."""
+        for nr in out.scheduled_new_reqs:
+            if nr.request_id not in self._child_of:
+                continue
+            m = self._parent(nr.request_id).metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
 
@@ -197,20 +201,23 @@ class OutputProcessor:
         that progressed and the requests to finish (stop strings; a failure here, e.g. the
         detokenizer, fails that sample alone)."""
         parents, fin = [], FinishRequests()
+        child_of, all_parents = self._child_of, self._parents
         for cid, tok in sampled.items():
-            if cid not in self._child_of:
+            at = child_of.get(cid)
+            if at is None:
                 continue
-            parents.append(self._child_of[cid][0])
+            parents.append(at[0])
+            p = all_parents[at[0]]
             try:
-                self._on_token(cid, tok, now, fin)
+                self._on_token(p.children[at[1]], p, tok, now, fin)
             except Exception as e:  # this request alone fails
                 logger.exception("output processing failed for %s", cid)
                 self._child(cid).error = f"{type(e).__name__}: {e}"
                 fin.finished.append((cid, RequestStatus.FINISHED_ERROR))
         return parents, fin
 
-    def _on_token(self, cid: str, tok: SampledToken, now: float, fin: FinishRequests) -> None:
-        c, p = self._child(cid), self._parent(cid)
+    def _on_token(self, c: _Child, p: _Parent, tok: SampledToken, now: float,
+                  fin: FinishRequests) -> None:
         self.generation_tokens_total += 1
         if p.metrics.first_token_time is None:
             p.metrics.first_token_time = now
@@ -226,7 +233,9 @@ class OutputProcessor:
             c.logprobs.append(entry)
             c.delta_logprobs.append(entry)
         req = c.request
-        if c.detok is not None:
+        if c.detok is not None and c.detok.plain and req.status is _RUNNING:
+            c.delta_text += c.detok.update_one(tok.token_id)  # the common case, inlined
+        elif c.detok is not None:
             # FINISHED_STOPPED here means EOS or a stop token id (stop strings come below):
             # that token's text is not output unless include_stop_str_in_output (vLLM).
             upd = c.detok.update([tok.token_id], finished=req.is_finished,
@@ -278,12 +287,15 @@ class OutputProcessor:
         """One `RequestOutput` per parent (deduplicated, in order), deltas since the last one;
         a finished parent is forgotten."""
         outs = []
+        parents, completion = self._parents, self._completion
         for pid in dict.fromkeys(parent_ids):
-            p = self._parents.get(pid)
+            p = parents.get(pid)
             if p is None:
                 continue
-            comps = [self._completion(c) for c in p.children]
-            finished = all(c.request.is_finished for c in p.children)
+            comps, finished = [], True
+            for c in p.children:
+                comps.append(completion(c))
+                finished = finished and c.request.is_finished
             if finished:
                 p.metrics.finished_time = time.monotonic()
                 self.pop(pid)
@@ -298,15 +310,16 @@ class OutputProcessor:
 
     @staticmethod
     def _completion(c: _Child) -> CompletionOutput:
-        ids = c.request.output_token_ids  # append-only, as are the two logprob lists, so a
-        out = CompletionOutput(  # ListPrefix (O(1) now, copied when read) is a snapshot
-            index=c.index, text=c.detok.output_text if c.detok else "",
-            token_ids=ListPrefix(ids, len(ids)), delta_text=c.delta_text,
-            delta_token_ids=c.delta_ids,
-            logprobs=None if c.logprobs is None else ListPrefix(c.logprobs, len(c.logprobs)),
-            delta_logprobs=c.delta_logprobs if c.logprobs is not None else None,
-            token_logprobs=ListPrefix(c.token_logprobs, len(c.token_logprobs)),
-            cumulative_logprob=c.cumulative_logprob, finish_reason=c.request.finish_reason,
-            stop_reason=c.stop_reason, error=c.error)
+        # Every cumulative field is a snapshot made in O(1): the token and logprob lists are
+        # append-only and the text an immutable str, so a `ListPrefix` (copied when read)
+        # equals a copy made now. `snapshot` skips the dataclass's per-field setters.
+        ids, req, d, lps = c.request.output_token_ids, c.request, c.detok, c.logprobs
+        out = CompletionOutput.snapshot(
+            c.index, ListPrefix(d.text, d.num_emitted) if d is not None else "",
+            ListPrefix(ids, len(ids)), c.delta_text, c.delta_ids,
+            None if lps is None else ListPrefix(lps, len(lps)),
+            c.delta_logprobs if lps is not None else None,
+            ListPrefix(c.token_logprobs, len(c.token_logprobs)), c.cumulative_logprob,
+            req.finish_reason, c.stop_reason, c.error)
         c.delta_text, c.delta_ids, c.delta_logprobs = "", [], []
         return out

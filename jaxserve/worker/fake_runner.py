@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -167,7 +167,8 @@ class FakeRunner:
         self.last_batch: BatchArrays | None = None
         self.finished: dict[str, Request] = {}
         self.clock = 0.0
-        self.requests = RequestStates()  # the running requests, from the plans
+        # the running requests, from the plans (and, building batches, their block table)
+        self.requests = RequestStates(max_blocks_per_seq if build_batches else None)
         self.device_busy_s = self.device_wait_s = 0.0
         self._device_free_at = 0.0  # time.perf_counter() when the simulated device is idle
         self._stats = RunnerStats()
@@ -216,7 +217,9 @@ class FakeRunner:
             raise RuntimeError("FakeRunner.execute: the runner is asleep; wake_up() first")
         if self.build_batches:
             self.last_batch = build_batch(out, block_size=self.block_size,
-                                          max_blocks_per_seq=self.max_blocks_per_seq)
+                                          max_blocks_per_seq=self.max_blocks_per_seq,
+                                          table=self.requests.block_table,
+                                          slots=self.requests.table_rows(states))
         results: dict[str, RowResult] = {rid: RowError(m) for rid, m in missing.items()}
         grammar = out.grammar
         masks = grammar.rows() if grammar is not None else {}
@@ -231,6 +234,7 @@ class FakeRunner:
                 results[sr.request_id] = RowError(grammar.errors[sr.request_id])
             elif sr.sample:
                 results[sr.request_id] = self._token(req, sr.output_pos, masks.get(sr.request_id))
+        self._batch_alternatives(results)
         plan = scoring_plan(out, self.requests)
         if plan is not None:
             merge_scores(results, fake_scores(plan, vocab_size=self.vocab_size or 1000,
@@ -252,15 +256,26 @@ class FakeRunner:
         self.device_wait_s += time.perf_counter() - now
 
     def _token(self, req: CachedRequestState, pos: int, allowed: np.ndarray | None
-               ) -> SampledToken:
+               ) -> "SampledToken | int":
+        """The scripted token (an int until `_batch_alternatives` wraps it)."""
         t = self.token_fn(req, pos)
         if allowed is not None and self.vocab_size:
             t = self._obey_grammar(allowed, t)
-        if isinstance(t, SampledToken):
-            return t
-        t = int(t)
-        return SampledToken(t, 0.0, np.full(self.max_logprobs, t, np.int32),
-                            np.zeros(self.max_logprobs, np.float32))
+        return t if isinstance(t, SampledToken) else int(t)
+
+    def _batch_alternatives(self, results: dict[str, Any]) -> None:
+        """Wrap each plain int token as a SampledToken (logprob 0, every alternative the
+        token itself), their arrays rows of one step-wide array, as the real runner's
+        are rows of the fetched batch."""
+        rids = [rid for rid, t in results.items() if type(t) is int]
+        if not rids:
+            return
+        L = self.max_logprobs
+        ids = np.fromiter((results[r] for r in rids), np.int32, len(rids))
+        top = np.repeat(ids, L).reshape(len(rids), L)
+        zeros = np.zeros((len(rids), L), np.float32)
+        for i, rid in enumerate(rids):
+            results[rid] = SampledToken(results[rid], 0.0, top[i], zeros[i])
 
     def _obey_grammar(self, row: np.ndarray, t: "int | SampledToken") -> "int | SampledToken":
         """The scripted token if the bitmask `row` allows it, else the next allowed id."""

@@ -52,7 +52,7 @@ class CachedRequestState(TokenCounts):
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "seed",
                  "eos_token_ids", "logprob_start", "output_token_ids", "num_computed_tokens",
-                 "lora_slot")
+                 "lora_slot", "slot", "num_blocks")
 
     def __init__(self, new: NewRequestData):
         self.request_id, self.prompt_token_ids = new.request_id, new.prompt_token_ids
@@ -61,6 +61,8 @@ class CachedRequestState(TokenCounts):
         self.output_token_ids = list(new.output_token_ids)
         self.num_computed_tokens = 0
         self.lora_slot = new.lora_slot
+        self.slot = 0  # its row of `RequestStates.block_table` (0: none yet)
+        self.num_blocks = 0  # block ids written there
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -71,22 +73,71 @@ class CachedRequestState(TokenCounts):
 
 
 class RequestStates(dict):
-    """request_id -> `CachedRequestState` of every request the runner has running."""
+    """request_id -> `CachedRequestState` of every request the runner has running.
+
+    Also the persistent block table (vLLM's `InputBatch.block_table`): `block_table`
+    i32[slots, P] holds each running request's block ids in its own row (`slot`), kept
+    across steps; a plan writes only the blocks a row gained (a decode step adds one block
+    per row every `block_size` tokens), so laying out a step costs O(rows + new blocks),
+    not O(every block held). Row 0 stays zero (the padding rows' table).
+
+    Args:
+      max_blocks_per_seq: P, the table's width; None keeps no table (`build_batch`
+        then reads every row's blocks from the plan).
+    """
+
+    def __init__(self, max_blocks_per_seq: int | None = None):
+        super().__init__()
+        self.block_table = None if max_blocks_per_seq is None else np.zeros(
+            (16, max_blocks_per_seq), np.int32)
+        self._free_slots = list(range(15, 0, -1))
+
+    def _drop(self, rid: str) -> None:
+        st = self.pop(rid, None)
+        if st is not None and st.slot:
+            self.block_table[st.slot, :st.num_blocks] = 0
+            self._free_slots.append(st.slot)
+
+    def _slot(self) -> int:
+        if not self._free_slots:  # double the table
+            n, P = self.block_table.shape
+            self.block_table = np.concatenate([self.block_table, np.zeros((n, P), np.int32)])
+            self._free_slots = list(range(2 * n - 1, n - 1, -1))
+        return self._free_slots.pop()
+
+    def _sync_blocks(self, st: CachedRequestState, ids) -> None:
+        """Make st's table row hold `ids` (clipped to P; build_batch rejects a longer
+        list), writing only the new tail when the known prefix is unchanged."""
+        k = st.num_blocks
+        n = min(len(ids), self.block_table.shape[1])
+        if not st.slot:
+            st.slot = self._slot()
+        table = self.block_table
+        if n == k and (not k or table[st.slot, k - 1] == ids[k - 1]):
+            return
+        if n < k or (k and table[st.slot, k - 1] != ids[k - 1]):  # not an extension
+            table[st.slot, :k] = 0
+            k = 0
+        table[st.slot, k:n] = ids[k:n]
+        st.num_blocks = n
 
     def update(self, out: SchedulerOutput) -> tuple[list[CachedRequestState | None], dict[str, str]]:
         """Apply a plan: drop its finished and preempted requests, add its new ones; return
         each row's state (in plan order; None for a row that has none) and
         request_id -> message for the rows the runner cannot serve (no state, or fewer
         outputs than the plan's `output_pos`). A state with more outputs than
-        `output_pos` is cut back to it (tokens the engine did not keep)."""
+        `output_pos` is cut back to it (tokens the engine did not keep). With a block
+        table, each served row's table row is brought up to its plan's block ids."""
         for rid in out.finished_ids:
-            self.pop(rid, None)
+            self._drop(rid)
         for rid in out.preempted_ids:
-            self.pop(rid, None)
+            self._drop(rid)
         for new in out.scheduled_new_reqs:
+            self._drop(new.request_id)
             self[new.request_id] = CachedRequestState(new)
         rows: list[CachedRequestState | None] = []
         errors: dict[str, str] = {}
+        tables = self.block_table is not None
         for sr in out.scheduled:
             st = self.get(sr.request_id)
             if st is not None and len(st.output_token_ids) != sr.output_pos:
@@ -102,8 +153,17 @@ class RequestStates(dict):
                                          "requests (no NewRequestData in any plan)")
             if st is not None:
                 st.num_computed_tokens = sr.end_pos
+                if tables:
+                    self._sync_blocks(st, sr.block_ids)
             rows.append(st)
         return rows, errors
+
+    def table_rows(self, states: list[CachedRequestState | None]) -> np.ndarray | None:
+        """i32[S]: each row's table slot, for `build_batch(slots=...)`; None without a
+        table or when a row has no state (the plan's own block ids are laid out then)."""
+        if self.block_table is None or any(st is None for st in states):
+            return None
+        return np.fromiter((st.slot for st in states), np.int32, len(states))
 
     def record(self, rows: tuple[ScheduledRequest, ...], sampled: dict) -> None:
         """Append each sampling row's token (`sampled`: request_id -> SampledToken)."""
@@ -129,7 +189,9 @@ class BatchArrays:
     num_tokens: np.ndarray  # i32[] (0-d)
 
 
-def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int) -> BatchArrays:
+def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int,
+                table: np.ndarray | None = None, slots: np.ndarray | None = None
+                ) -> BatchArrays:
     """Build the padded arrays of one step.
 
     Args:
@@ -137,6 +199,10 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
         empty plan gives an all-padding batch (used for warm-up).
       block_size: B, tokens per KV block.
       max_blocks_per_seq: P, width of block_table (ceil(max_model_len / B)).
+      table / slots: the persistent block table (`RequestStates.block_table`, i32[N, P],
+        row 0 zero) and each plan row's slot in it (i32[S], `RequestStates.table_rows`):
+        the step's block_table is gathered from it instead of laid out from every row's
+        block ids (same array).
 
     Raises:
       ValueError: more tokens or rows than the buckets, a row needing more
@@ -171,9 +237,14 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
     np.cumsum(q_lens, out=cu[1:S + 1])
     cu[S + 1:] = T
 
-    block_table = np.zeros((S_pad, max_blocks_per_seq), np.int32)  # [S_pad, P]
     total_blocks = int(n_blocks.sum())
-    if total_blocks:
+    if slots is not None:
+        padded = np.zeros(S_pad, np.int32)
+        padded[:S] = slots
+        block_table = table[padded]  # [S_pad, P]; padding rows gather the zero row 0
+    else:
+        block_table = np.zeros((S_pad, max_blocks_per_seq), np.int32)  # [S_pad, P]
+    if total_blocks and slots is None:
         flat = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in rows), np.int32,
                            total_blocks)
         row_of = np.repeat(np.arange(S), n_blocks)

@@ -111,11 +111,11 @@ class ModelRunner:
         # Multi-host: called with (T_pad, S_pad, host batch) before each device step
         # (`jaxserve.distributed.multihost.Leader.send_step` broadcasts it to the followers).
         self.step_listener = step_listener
-        self.requests = RequestStates()  # the running requests, from the plans
         self.block_size = config.cache.block_size
         self.num_kv_blocks = resolve_num_kv_blocks(config)
         logger.info(describe_capacity(config, self.num_kv_blocks))
         self.max_blocks_per_seq = max_blocks_per_seq(config.scheduler.max_model_len, self.block_size)
+        self.requests = RequestStates(self.max_blocks_per_seq)  # the running requests
         self.bucket_policy = bucket_policy
         self.max_seq_bucket = bucket_policy.seq_buckets[-1]  # the stack's row dimension
         self.backend = self.tp.shard_attention(get_attention_backend(
@@ -295,7 +295,8 @@ class ModelRunner:
         layer stack's programs exist per T_pad only); only the sampling rows use S_pad.
         """
         b = build_batch(dataclasses.replace(out, seq_bucket=self.max_seq_bucket),
-                        block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
+                        block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
+                        table=self.requests.block_table, slots=self.requests.table_rows(rows))
         common = CommonAttentionMetadata(slot_mapping=b.slot_mapping,
                                          query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
                                          block_table=b.block_table, num_seqs=b.num_seqs)

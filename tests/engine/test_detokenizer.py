@@ -41,15 +41,23 @@ class BpeTokenizer:
         return [self._tok.id_to_token(i) for i in ids]
 
 
-@pytest.fixture(scope="module")
-def tok():
+class StreamBpeTokenizer(BpeTokenizer):
+    """The same, exposing its Rust tokenizer: the detokenizer's DecodeStream fast path."""
+
+    @property
+    def backend_tokenizer(self):
+        return self._tok
+
+
+@pytest.fixture(scope="module", params=["window", "stream"])
+def tok(request):
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[END],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     t.train_from_iterator(CORPUS, trainer=trainer)
-    return BpeTokenizer(t)
+    return (BpeTokenizer if request.param == "window" else StreamBpeTokenizer)(t)
 
 
 def _run(tok, ids, params=None, prompt=(), chunks=None, finish=True):
@@ -222,8 +230,10 @@ def test_cost_per_step_is_bounded(tok):
     deltas, d, _ = _run(tok, ids)
     assert "".join(deltas) == tok.decode(ids)
     tok.decoded_ids = 0
-    _run(tok, ids)
+    _, d, _ = _run(tok, ids, finish=False)
     assert tok.decoded_ids <= 30 * len(ids)  # O(n), not O(n^2)
+    if isinstance(tok, StreamBpeTokenizer):  # every id went through the DecodeStream
+        assert d._stream is not None and tok.decoded_ids == 0
 
 
 GGUF = Path(__file__).resolve().parents[2] / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
