@@ -38,7 +38,7 @@ from jaxserve.engine.provenance import WeightProvenance
 from jaxserve.engine.sleep import Sleeper
 from jaxserve.outputs import RequestOutput
 from jaxserve.scheduler.request import RequestStatus
-from jaxserve.worker.runner import (DoneStep, PendingStep, PromptLogprobs, RowError, Runner,
+from jaxserve.worker.runner import (DoneStep, PendingStep, RowError, Runner,
                                     SampledToken)
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
@@ -244,20 +244,27 @@ class LLMEngine:
         except Exception as e:  # one bad step fails its requests, never the engine
             return outs + self._fail_step(out, e)
         changed: list[str] = []
+        # One pass over the rows. Rows whose request ended while the step ran (a stop
+        # string found in the step before's output processing, an abort) are dropped:
+        # the scheduler skips them too.
         reqs = self.scheduler.requests
-        errors = {rid: r for rid, r in results.items() if isinstance(r, RowError)}
+        errors, sampled, tokens, scored = {}, {}, {}, {}
+        for rid, r in results.items():
+            if isinstance(r, SampledToken):
+                if rid in reqs:
+                    sampled[rid], tokens[rid] = r, r.token_id
+                    if r.prompt is not None:
+                        scored[rid] = r.prompt
+            elif isinstance(r, RowError):
+                errors[rid] = r
+            elif rid in reqs:  # PromptLogprobs of a scoring row that does not sample
+                scored[rid] = r
         for rid, err in errors.items():
             self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
             changed += self.outputs.fail([rid], err.message)
-        # Rows whose request ended while the step ran (a stop string found in the step
-        # before's output processing, an abort) are dropped: the scheduler skips them too.
-        sampled = {rid: r for rid, r in results.items()
-                   if isinstance(r, SampledToken) and rid in reqs}
-        self.outputs.process_prompt_logprobs(
-            {rid: r.prompt if isinstance(r, SampledToken) else r for rid, r in results.items()
-             if rid in reqs and (isinstance(r, PromptLogprobs)
-                                 or getattr(r, "prompt", None) is not None)})
-        self.scheduler.update_from_output(out, {rid: t.token_id for rid, t in sampled.items()})
+        if scored:
+            self.outputs.process_prompt_logprobs(scored)
+        self.scheduler.update_from_output(out, tokens)
         self.provenance.record(sampled, self.weight_version)
         grammar = self.grammars is not None and self.grammars.num_compiled
         if overlap is None:

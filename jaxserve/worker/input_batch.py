@@ -88,12 +88,15 @@ class RequestStates(dict):
 
     def __init__(self, max_blocks_per_seq: int | None = None):
         super().__init__()
+        self.num_scoring = 0  # states with a logprob_start (`scoring_plan` skips without)
         self.block_table = None if max_blocks_per_seq is None else np.zeros(
             (16, max_blocks_per_seq), np.int32)
         self._free_slots = list(range(15, 0, -1))
 
     def _drop(self, rid: str) -> None:
         st = self.pop(rid, None)
+        if st is not None and st.logprob_start is not None:
+            self.num_scoring -= 1
         if st is not None and st.slot:
             self.block_table[st.slot, :st.num_blocks] = 0
             self._free_slots.append(st.slot)
@@ -135,6 +138,7 @@ class RequestStates(dict):
         for new in out.scheduled_new_reqs:
             self._drop(new.request_id)
             self[new.request_id] = CachedRequestState(new)
+            self.num_scoring += new.logprob_start is not None
         rows: list[CachedRequestState | None] = []
         errors: dict[str, str] = {}
         tables = self.block_table is not None

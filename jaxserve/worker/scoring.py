@@ -63,6 +63,8 @@ def scoring_plan(out: SchedulerOutput, requests: Mapping[str, CachedRequestState
                  ) -> ScoringPlan | None:
     """The step's scoring rows (None when there are none: the score program is skipped);
     `requests`: the runner's `RequestStates`."""
+    if not getattr(requests, "num_scoring", True):  # RequestStates counts its scoring rows
+        return None
     spans = []
     flat = 0
     for sr in out.scheduled:
