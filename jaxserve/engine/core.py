@@ -32,7 +32,7 @@ from jaxserve.engine.args import _eos_token_ids
 from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
 from jaxserve.engine.lora import EngineLoRA
 from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
-from jaxserve.engine.stats import engine_stats
+from jaxserve.engine.stats import engine_stats, freeze_gc_heap
 from jaxserve.engine.pause import Pauser, check_mode
 from jaxserve.engine.provenance import WeightProvenance
 from jaxserve.engine.sleep import Sleeper
@@ -63,6 +63,8 @@ class LLMEngine:
         engine must not compile after warm-up).
       executable_cache_dir: where the default runner serializes its compiled programs
         (`jaxserve.worker.executable_cache`; None: off).
+      freeze_gc: after warm-up, freeze the startup heap out of the cyclic GC's reach, once
+        per process (`jaxserve.engine.stats.freeze_gc_heap`, as vLLM does after warm-up).
 
     Raises:
       ValueError: neither params nor a runner, or bad EOS ids.
@@ -70,7 +72,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, params: Any = None, tokenizer: Any = None, *,
                  runner: Runner | None = None, model_name: str = "jaxserve", warmup: bool = True,
-                 progress: bool = True, executable_cache_dir: str | None = None):
+                 progress: bool = True, executable_cache_dir: str | None = None,
+                 freeze_gc: bool = True):
         self.bucket_policy = BucketPolicy.from_config(config.scheduler)
         if runner is None:
             if params is None:
@@ -113,6 +116,8 @@ class LLMEngine:
         self._awaiting_grammar: dict[str, tuple[ProcessedRequest, concurrent.futures.Future]] = {}
         if warmup:
             self.runner.warmup(progress=progress)
+            if freeze_gc:
+                freeze_gc_heap()
 
     # -------------------------------------------------------------- input
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
