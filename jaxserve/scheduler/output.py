@@ -54,8 +54,9 @@ class ScheduledRequest:
         """Same as the constructor, ~2x cheaper (the scheduler builds one per row per step;
         a frozen dataclass __init__ pays one object.__setattr__ per field)."""
         obj = _new(cls)
-        obj.__dict__.update(request_id=request_id, token_ids=token_ids, start_pos=start_pos,
-                            block_ids=block_ids, sample=sample, output_pos=output_pos)
+        d = obj.__dict__  # item by item: ~2x cheaper than update(**kwargs)
+        d["request_id"], d["token_ids"], d["start_pos"] = request_id, token_ids, start_pos
+        d["block_ids"], d["sample"], d["output_pos"] = block_ids, sample, output_pos
         return obj
 
     @property

@@ -275,7 +275,7 @@ class FakeRunner:
         top = np.repeat(ids, L).reshape(len(rids), L)
         zeros = np.zeros((len(rids), L), np.float32)
         for i, rid in enumerate(rids):
-            results[rid] = SampledToken(results[rid], 0.0, top[i], zeros[i])
+            results[rid] = SampledToken.make(results[rid], 0.0, top[i], zeros[i])
 
     def _obey_grammar(self, row: np.ndarray, t: "int | SampledToken") -> "int | SampledToken":
         """The scripted token if the bitmask `row` allows it, else the next allowed id."""

@@ -42,8 +42,8 @@ class ModelPending:
         r.stats().record_step(out.token_bucket, out.seq_bucket)
         for i, sr in enumerate(out.scheduled):
             if sr.sample and not isinstance(results.get(sr.request_id), RowError):
-                results[sr.request_id] = SampledToken(int(ids[i]), float(lps[i]), top_ids[i],
-                                                      top_lps[i])
+                results[sr.request_id] = SampledToken.make(int(ids[i]), float(lps[i]),
+                                                           top_ids[i], top_lps[i])
         if self.plan is not None:
             merge_scores(results, split_scores(self.plan, *scored))
         r.requests.record(out.scheduled, results)

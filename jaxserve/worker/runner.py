@@ -46,6 +46,17 @@ class SampledToken:
     top_logprobs: np.ndarray  # f32[max_logprobs]
     prompt: PromptLogprobs | None = None
 
+    @classmethod
+    def make(cls, token_id: int, logprob: float, top_ids: np.ndarray,
+             top_logprobs: np.ndarray) -> "SampledToken":
+        """The constructor's result (prompt None), ~3x cheaper: a runner makes one per row
+        per step, and a frozen dataclass's __init__ pays one object.__setattr__ a field."""
+        obj = object.__new__(cls)
+        d = obj.__dict__
+        d["token_id"], d["logprob"], d["top_ids"] = token_id, logprob, top_ids
+        d["top_logprobs"], d["prompt"] = top_logprobs, None
+        return obj
+
 
 @dataclass(frozen=True)
 class RowError:

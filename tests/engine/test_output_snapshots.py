@@ -1,0 +1,72 @@
+"""The host loop's cheap per-row objects (issue 24) are the objects their constructors make,
+and every cumulative field of a step's output is a snapshot of that step.
+
+`CompletionOutput.snapshot`, `SampledToken.make` and `ScheduledRequest.make` skip the
+dataclass constructors' per-field setters; the engine hands out `text`, `token_ids`,
+`token_logprobs` and `logprobs` as O(1) prefixes of live, append-only state (the text
+is an immutable str), copied on first read. A caller that keeps every step's output and
+reads them all at the end must see each step's own values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from conftest import tiny_tokenizer
+from jaxserve.config import ModelConfig
+from jaxserve.engine import LLMEngine, make_engine_config
+from jaxserve.outputs import CompletionOutput, ListPrefix
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler.output import ScheduledRequest
+from jaxserve.worker.fake_runner import FakeRunner, default_token
+from jaxserve.worker.runner import SampledToken
+
+
+def test_fast_constructors_equal_the_dataclass_constructors():
+    fields = dict(index=1, text="ab", token_ids=[3, 4], delta_text="b", delta_token_ids=[4],
+                  logprobs=[{3: -0.1}, {4: -0.2}], delta_logprobs=[{4: -0.2}],
+                  token_logprobs=[-0.1, -0.2], cumulative_logprob=-0.3, finish_reason="stop",
+                  stop_reason="x", error=None)
+    ref = CompletionOutput(**fields)
+    fast = CompletionOutput.snapshot(**fields)
+    assert fast == ref and repr(fast) == repr(ref)
+    assert dataclasses.asdict(fast) == dataclasses.asdict(ref)
+    assert [f.name for f in dataclasses.fields(CompletionOutput)] == list(fields) + [
+        "token_weight_versions"]  # a new field must be added to `snapshot` too
+    lazy = CompletionOutput.snapshot(**{**fields, "text": ListPrefix("abc", 2),
+                                        "token_ids": ListPrefix([3, 4, 5], 2)})
+    assert lazy == ref and lazy.num_tokens == 2
+    a, b = np.arange(3, dtype=np.int32), np.zeros(3, np.float32)
+    assert SampledToken.make(7, -0.5, a, b) == SampledToken(7, -0.5, a, b)
+    assert SampledToken.make(7, -0.5, a, b).prompt is None
+    assert ScheduledRequest.make("r", (1, 2), 3, (4,), True, 2) == ScheduledRequest(
+        "r", (1, 2), 3, (4,), True, 2)
+
+
+def test_each_steps_output_keeps_its_own_text_and_tokens():
+    model = ModelConfig.tiny()
+    config = make_engine_config(model, max_model_len=64, block_size=4, num_kv_blocks=64,
+                                max_num_seqs=4, max_num_batched_tokens=32)
+    V = tiny_tokenizer().vocab_size  # tokens the tokenizer can decode
+    runner = FakeRunner.for_config(config, build_batches=True, token_fn=lambda req, pos:
+                                   default_token(req.request_id, pos, vocab_size=V))
+    eng = LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False)
+    sp = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1)
+    eng.add_request("a", "hello world", sp)
+    eng.add_request("b", "abc", sp)
+    kept = []
+    while eng.has_unfinished_requests():
+        kept += eng.step()
+    assert len(kept) >= 30
+    text, ids, n = {"a": "", "b": ""}, {"a": [], "b": []}, 0
+    for o in kept:  # read only now, after every step has run
+        c = o.outputs[0]
+        text[o.request_id] += c.delta_text
+        ids[o.request_id] += c.delta_token_ids
+        assert c.text == text[o.request_id] and c.token_ids == ids[o.request_id]
+        assert len(c.token_logprobs) == len(c.logprobs) == len(c.token_ids)
+        n += 1
+    assert all(len(v) == 20 for v in ids.values()) and n == len(kept)
+    assert kept[-1].outputs[0].text == tiny_tokenizer().decode(ids[kept[-1].request_id])
