@@ -193,6 +193,26 @@ class BatchArrays:
     num_tokens: np.ndarray  # i32[] (0-d)
 
 
+def _step_block_table(rows, n_blocks: np.ndarray, S_pad: int, P: int,
+                      table: np.ndarray | None, slots: np.ndarray | None) -> np.ndarray:
+    """i32[S_pad, P]: the step's block table, gathered from the persistent `table` at
+    `slots` when given (padding rows gather its zero row 0), else laid out from every
+    row's block ids."""
+    if slots is not None:
+        padded = np.zeros(S_pad, np.int32)
+        padded[:len(rows)] = slots
+        return table[padded]
+    block_table = np.zeros((S_pad, P), np.int32)
+    total_blocks = int(n_blocks.sum())
+    if total_blocks:
+        flat = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in rows), np.int32,
+                           total_blocks)
+        row_of = np.repeat(np.arange(len(rows)), n_blocks)
+        col = np.arange(total_blocks) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
+        block_table[row_of, col] = flat
+    return block_table
+
+
 def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int,
                 table: np.ndarray | None = None, slots: np.ndarray | None = None
                 ) -> BatchArrays:
@@ -241,19 +261,7 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
     np.cumsum(q_lens, out=cu[1:S + 1])
     cu[S + 1:] = T
 
-    total_blocks = int(n_blocks.sum())
-    if slots is not None:
-        padded = np.zeros(S_pad, np.int32)
-        padded[:S] = slots
-        block_table = table[padded]  # [S_pad, P]; padding rows gather the zero row 0
-    else:
-        block_table = np.zeros((S_pad, max_blocks_per_seq), np.int32)  # [S_pad, P]
-    if total_blocks and slots is None:
-        flat = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in rows), np.int32,
-                           total_blocks)
-        row_of = np.repeat(np.arange(S), n_blocks)
-        col = np.arange(total_blocks) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
-        block_table[row_of, col] = flat
+    block_table = _step_block_table(rows, n_blocks, S_pad, max_blocks_per_seq, table, slots)
 
     input_ids = np.zeros(T_pad, np.int32)
     positions = np.zeros(T_pad, np.int32)
