@@ -6,9 +6,9 @@ few token-count buckets that are compiled once at warm-up.
 
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jaxserve.lora import LoRARequest
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "ModelConfig", "CacheConfig",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "EngineConfig", "ModelConfig", "CacheConfig",
            "SchedulerConfig", "LoRARequest"]
 
 

@@ -22,7 +22,7 @@ from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.engine.input_processor import is_array, split_padded
 from jaxserve.errors import EngineSleepingError
 from jaxserve.outputs import RequestOutput, RolloutBatch, ScoreBatch, rollout_arrays
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.validation import is_int
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -201,7 +201,8 @@ class LLM:
     def _submit(self, prompts: Prompt | Sequence[Prompt],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                 lengths: Any = None, mask: Any = None,
-                priority: int | Sequence[int] = 0, lora_request: Any = None) -> list[str]:
+                priority: int | Sequence[int] = 0, lora_request: Any = None,
+                final_only: bool = False) -> list[str]:
         self._check_awake()
         plist = _prompt_list(prompts, lengths, mask)
         # A scalar priority applies to every prompt; a list gives one per prompt (vLLM).
@@ -214,6 +215,10 @@ class LLM:
             splist = list(sampling_params)
             if len(splist) != len(plist):
                 raise ValueError(f"got {len(splist)} SamplingParams for {len(plist)} prompts")
+        if final_only:  # vLLM's LLM.generate: no per-step outputs for a caller who drains
+            final = {id(sp): sp.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+                     for sp in splist}
+            splist = [final[id(sp)] for sp in splist]
         # One LoRARequest (or None: the base model) for all prompts, or one per prompt (vLLM).
         lrs = list(lora_request) if isinstance(lora_request, (list, tuple)) \
             else [lora_request] * len(plist)
@@ -273,6 +278,9 @@ class LLM:
                  ) -> list[RequestOutput] | tuple[list[RequestOutput], RolloutBatch]:
         """Generate for every prompt; return final outputs in input order.
 
+        Every request runs with `output_kind=RequestOutputKind.FINAL_ONLY` (as in vLLM):
+        no per-step `RequestOutput` is assembled (`generate_stream` gives those).
+
         Each prompt is a string, token ids (a list of Python/NumPy ints, or a
         1-D NumPy/jax integer array), or a chat conversation (list of
         {"role", "content"} dicts, chat template applied). A batch of token
@@ -301,7 +309,7 @@ class LLM:
             prompts'; nothing is queued then.
         """
         ids = self._submit(prompts, sampling_params, prompt_lengths, prompt_mask, priority,
-                           lora_request)
+                           lora_request, final_only=True)
         results = self._drain(ids, "generate", use_tqdm)
         if return_arrays is not None:
             return results, rollout_arrays(results, array=return_arrays)
@@ -362,7 +370,8 @@ class LLM:
         comps = _token_rows(completion_ids, completion_lengths, "completion_ids")
         if len(prompts) != len(comps):
             raise ValueError(f"{len(prompts)} prompt rows but {len(comps)} completion rows")
-        greedy_one = SamplingParams(max_tokens=1, temperature=0.0)
+        greedy_one = SamplingParams(max_tokens=1, temperature=0.0,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
         ids, rows = [], []
         try:
             for i, (p, c) in enumerate(zip(prompts, comps)):

@@ -17,6 +17,12 @@ sorted (id, bias) pairs.
 grammar / json_object; a dict of those fields is accepted) constrains the output
 to a grammar (`jaxserve.structured_output`).
 
+`output_kind` (vLLM's `RequestOutputKind`): which steps return a `RequestOutput`.
+CUMULATIVE (the default) and DELTA return one every step the request progresses (each
+carries both the cumulative fields and the deltas, so the two are the same here);
+FINAL_ONLY returns only the finished output, and no per-step output is assembled
+(`LLM.generate` submits with it, as vLLM's does).
+
 The rules live in `jaxserve.validation` (the one validator); construction
 runs the model-free ones, `LLMEngine.add_request` the model-dependent ones.
 """
@@ -24,13 +30,27 @@ runs the model-free ones, `LLMEngine.add_request` the model-dependent ones.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.validation import (MAX_N, MAX_STOP_TOKEN_IDS, normalize_logit_bias,
                                  validate_sampling_params)
 
-__all__ = ["MAX_N", "MAX_STOP_TOKEN_IDS", "SamplingParams"]
+__all__ = ["MAX_N", "MAX_STOP_TOKEN_IDS", "RequestOutputKind", "SamplingParams"]
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which steps give a request a `RequestOutput` (vLLM's enum, same values).
+
+    CUMULATIVE / DELTA: every step that adds a token (each output carries the cumulative
+    token ids, text and logprobs and the deltas since the last output). FINAL_ONLY: only
+    the finished output; the engine skips the per-step assembly.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -64,6 +84,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # a {token id: bias} dict is accepted
     structured_outputs: Any = None  # StructuredOutputsParams | None (a dict is accepted)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # an int 0-2 is accepted
 
     def __post_init__(self):
         # Normalise list inputs to tuples (the dataclass is frozen and hashable).
@@ -78,6 +99,7 @@ class SamplingParams:
             object.__setattr__(self, "structured_outputs",
                                StructuredOutputsParams(**self.structured_outputs))
         validate_sampling_params(self)
+        object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
 
     @property
     def is_greedy(self) -> bool:

@@ -354,6 +354,14 @@ def _prompt_logprobs_on(p: Any, lim: Limits | None):
     return None
 
 
+def _output_kind(p: Any, _: Limits | None):
+    # RequestOutputKind (jaxserve.sampling_params): CUMULATIVE 0, DELTA 1, FINAL_ONLY 2.
+    v = p.output_kind
+    if not is_int(v) or int(v) not in (0, 1, 2):
+        return v, "must be a RequestOutputKind: CUMULATIVE (0), DELTA (1) or FINAL_ONLY (2)"
+    return None
+
+
 def _len_hi(lim: Limits) -> tuple[int, str]:
     return lim.max_model_len, "max_model_len"
 
@@ -385,6 +393,7 @@ SAMPLING_RULES: tuple[Rule, ...] = (
     Check("min_tokens", _min_le_max),
     Check("seed", _seed_room),
     Check("prompt_logprobs", _prompt_logprobs_on),
+    Check("output_kind", _output_kind),
 )
 
 

@@ -176,3 +176,22 @@ def test_update_from_arrays_on_another_sharding_is_resharded(llm_a):
     assert ids(llm_a.generate(list(PROMPTS), GREEDY, use_tqdm=False)) == reference(1, PROMPTS)
     assert compiles(llm_a) == c0
     llm_a.update_params(module(0))
+
+
+def test_generate_assembles_only_final_outputs_and_stream_every_step(llm_a, monkeypatch):
+    """LLM.generate runs FINAL_ONLY (vLLM): one CompletionOutput is built per sample, the
+    tokens equal generate_stream's, which gets an output every step."""
+    from jaxserve.engine.output_processor import OutputProcessor
+
+    built = []
+    real = OutputProcessor._completion
+    monkeypatch.setattr(OutputProcessor, "_completion",
+                        staticmethod(lambda c: built.append(c.index) or real(c)))
+    outs = llm_a.generate(list(PROMPTS), GREEDY, use_tqdm=False)
+    assert len(built) == len(PROMPTS) and all(o.finished for o in outs)
+    built.clear()
+    streamed = list(llm_a.generate_stream(list(PROMPTS), GREEDY))
+    assert len(built) == len(streamed) >= len(PROMPTS) * GREEDY.max_tokens
+    final = {o.request_id: o.outputs[0].token_ids for o in streamed if o.finished}
+    order = sorted(final, key=lambda rid: int(rid.rsplit("-", 1)[1]))  # gen-N: submit order
+    assert [final[r] for r in order] == ids(outs)

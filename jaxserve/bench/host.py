@@ -16,7 +16,9 @@ every token, N requests of one chat prompt with `max_tokens=1900`, greedy,
 Per case it prints: tokens per request per second (the goal is 1000 / D), the step
 period, host time per step and per row (the step period minus the time `step()` was
 blocked on the device: its busy time plus any late wake-up of the fake's sleep), the
-device's busy time per step, its idle fraction, and a per-phase breakdown of the host time:
+device's busy time per step, its idle fraction, the engine thread's CPU time per step
+(`time.thread_time`: host work alone, less inflated than wall time when other processes
+take the cores), and a per-phase breakdown of the host time:
 schedule, runner host work (batch layout, the fake's bookkeeping; with `--real`
 also attention and sampling metadata), update_from_output, output processing
 (incremental detokenizer, stop checks, `RequestOutput` assembly) and the rest of
@@ -93,6 +95,7 @@ class HostResult:
     device_idle: float
     phases_ms_per_step: dict[str, float]
     h2d_kib_per_step: float | None = None  # host arrays a step sends (the real runner)
+    cpu_ms_per_step: float | None = None  # the engine thread's CPU time (time.thread_time)
 
 
 def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any,
@@ -172,11 +175,11 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
     busy0 = getattr(runner, "device_busy_s", 0.0)
     wait0 = getattr(runner, "device_wait_s", 0.0)
     n0 = {r: engine.scheduler.get_request(r).num_output_tokens for r in ids}
-    steps, t0 = 0, time.perf_counter()
+    steps, t0, cpu0 = 0, time.perf_counter(), time.thread_time()
     while time.perf_counter() - t0 < seconds:
         engine.step()
         steps += 1
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
     live = [engine.scheduler.get_request(r) for r in ids]
     if any(r is None for r in live):
         raise RuntimeError("a request finished inside the timed window: lower --seconds")
@@ -202,7 +205,8 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
         host_ms_per_step=round(host * 1e3, 3), host_us_per_row=round(host / rows * 1e6, 1),
         device_idle=round(1 - device / wall, 3),
         phases_ms_per_step={k: round(v / steps * 1e3, 3) for k, v in phases.items()},
-        h2d_kib_per_step=round(clock.h2d_bytes / steps / 1024, 1) if real else None)
+        h2d_kib_per_step=round(clock.h2d_bytes / steps / 1024, 1) if real else None,
+        cpu_ms_per_step=round(cpu / steps * 1e3, 3))
     log(_row(res))
     return res
 
@@ -213,6 +217,7 @@ def _row(r: HostResult) -> str:
     return (f"{r.runner:25s} N={r.rows:<5d} D={d:>4s} ms  tok/req/s={r.tokens_per_request_per_s:8.1f}"
             f"  period={r.period_ms:7.2f} ms  device={r.device_ms_per_step:6.2f} ms"
             f"  host={r.host_ms_per_step:6.2f} ms ({r.host_us_per_row:6.1f} us/row)"
+            f"  cpu={r.cpu_ms_per_step:6.2f} ms"
             f"  idle={r.device_idle:5.1%}  [{ph}]"
             + ("" if r.h2d_kib_per_step is None else f"  h2d={r.h2d_kib_per_step:.0f} KiB/step"))
 

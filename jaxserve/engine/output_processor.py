@@ -20,6 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.input_processor import ProcessedRequest
+from jaxserve.sampling_params import RequestOutputKind
 from jaxserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
 from jaxserve.scheduler.request import Request, RequestStatus
 from jaxserve.worker.runner import PromptLogprobs, SampledToken
@@ -86,6 +87,7 @@ class _Parent:
     children: list[_Child]
     metrics: RequestMetrics
     scores: _PromptScores | None = None
+    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: no output until finished
 
 
 class OutputProcessor:
@@ -112,8 +114,10 @@ class OutputProcessor:
             lps = [] if req.sampling_params.logprobs is not None else None
             children.append(_Child(req, i, detok, lps))
             self._child_of[req.request_id] = (p.request_id, i)
+        final_only = p.children[0].sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
         self._parents[p.request_id] = _Parent(p.request_id, p.prompt, p.prompt_token_ids, children,
-                                              RequestMetrics(p.arrival_time))
+                                              RequestMetrics(p.arrival_time),
+                                              final_only=final_only)
         start = p.children[0].logprob_start
         if start is not None:
             P, k = len(p.prompt_token_ids), p.children[0].sampling_params.prompt_logprobs
@@ -285,12 +289,14 @@ class OutputProcessor:
 
     def collect(self, parent_ids: Iterable[str]) -> list[RequestOutput]:
         """One `RequestOutput` per parent (deduplicated, in order), deltas since the last one;
-        a finished parent is forgotten."""
+        a finished parent is forgotten. A FINAL_ONLY parent gets one only once finished
+        (its deltas then span the whole output)."""
         outs = []
         parents, completion = self._parents, self._completion
         for pid in dict.fromkeys(parent_ids):
             p = parents.get(pid)
-            if p is None:
+            if p is None or (p.final_only and not all(c.request.is_finished
+                                                        for c in p.children)):
                 continue
             comps, finished = [], True
             for c in p.children:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from conftest import tiny_tokenizer
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.outputs import CompletionOutput, ListPrefix
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.scheduler.output import ScheduledRequest
 from jaxserve.worker.fake_runner import FakeRunner, default_token
 from jaxserve.worker.runner import SampledToken
@@ -70,3 +71,40 @@ def test_each_steps_output_keeps_its_own_text_and_tokens():
         n += 1
     assert all(len(v) == 20 for v in ids.values()) and n == len(kept)
     assert kept[-1].outputs[0].text == tiny_tokenizer().decode(ids[kept[-1].request_id])
+
+
+def test_final_only_gives_one_output_equal_to_the_cumulative_runs_last():
+    """RequestOutputKind.FINAL_ONLY (vLLM): no output until finished, then one whose every
+    field equals the last output of the same request run CUMULATIVE (n=2, a stop string)."""
+    model = ModelConfig.tiny()
+    config = make_engine_config(model, max_model_len=64, block_size=4, num_kv_blocks=64,
+                                max_num_seqs=8, max_num_batched_tokens=32)
+    V = tiny_tokenizer().vocab_size
+    runner = FakeRunner.for_config(config, build_batches=True, token_fn=lambda req, pos:
+                                   default_token(req.request_id.split("-")[-1], pos,
+                                                 vocab_size=V))
+    eng = LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False)
+    base = SamplingParams(n=2, max_tokens=12, ignore_eos=True, logprobs=1)
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        eng.add_request(f"{kind.name}-x", "hello world", base.replace(output_kind=kind))
+        eng.add_request(f"{kind.name}-y", "abc", base.replace(output_kind=kind, stop=["u", "x"]))
+    seen: dict[str, list] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            seen.setdefault(o.request_id, []).append(o)
+    for r in ("x", "y"):
+        cum, fin = seen[f"CUMULATIVE-{r}"], seen[f"FINAL_ONLY-{r}"]
+        assert len(cum) > 1 and len(fin) == 1 and fin[0].finished
+        for a, b in zip(cum[-1].outputs, fin[0].outputs):
+            assert (a.text, a.token_ids, a.logprobs, a.finish_reason, a.stop_reason) == (
+                b.text, b.token_ids, b.logprobs, b.finish_reason, b.stop_reason)
+            assert b.delta_text == b.text and b.delta_token_ids == b.token_ids
+            assert len(b.token_ids) > 0
+    assert [c.stop_reason for c in seen["FINAL_ONLY-y"][0].outputs] == ["u", "x"]
+
+
+def test_output_kind_is_validated_and_normalised():
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
+    for bad in (3, -1, True, "FINAL_ONLY", None):
+        with pytest.raises(ValueError, match="output_kind.*RequestOutputKind"):
+            SamplingParams(output_kind=bad)

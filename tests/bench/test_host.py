@@ -1,0 +1,33 @@
+"""`jaxserve bench host` (issue 24): one short case over the fake runner's FIFO device.
+
+No timing is asserted beyond what the simulated device makes impossible to beat: every
+request gains at most one token per step, and a step takes at least D on the device, so
+tokens per request per second can exceed 1000 / D only by the step in flight at the
+window's edges. The engine thread's CPU time cannot exceed the wall time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxserve.bench import host
+
+GGUF = Path(__file__).resolve().parents[2] / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.skipif(not GGUF.exists(), reason="needs the default SmolLM2 GGUF (make model)")
+def test_one_case_respects_the_device_bound_and_its_own_accounting():
+    from jaxserve.checkpoint.loader import load_tokenizer
+
+    lines = []
+    D = 5.0
+    r = host.run_case(4, D, seconds=0.5, real=False, tokenizer=load_tokenizer(GGUF),
+                      log=lines.append)
+    assert r.rows == 4 and r.steps >= 2 and len(lines) == 1 and "cpu=" in lines[0]
+    assert 0 < r.tokens_per_request_per_s <= (r.seconds * 1000 / D + 2) / r.seconds
+    assert r.period_ms >= D * 0.99  # FIFO: one step per D at best (sleep may wake late)
+    assert r.device_ms_per_step == pytest.approx(D, rel=0.05)
+    assert 0 <= r.cpu_ms_per_step <= r.period_ms * 1.05
+    assert set(r.phases_ms_per_step) == set(host.PHASES)
