@@ -62,6 +62,9 @@ flags.DEFINE_integer("compile_threads", 2, "Threads that compile the programs ne
 flags.DEFINE_bool("async_scheduling", True, "Plan and dispatch step n+1 as soon as step n's "
                   "tokens are back and process step n's outputs while it runs (vLLM's "
                   "async scheduling); same outputs as without.")
+flags.DEFINE_integer("stream_interval", 1, "Tokens a streaming request accumulates before "
+                     "its next output / SSE event (vLLM's; its first and last token go at "
+                     "once). Larger values cut the host's work per step.")
 flags.DEFINE_bool("strict_compiles", False, "Refuse (fail the step) instead of compiling when a "
                   "step needs a program warm-up did not build.")
 flags.DEFINE_bool("enable_prompt_logprobs", True, "Build the score programs (one per token "
@@ -149,6 +152,7 @@ def engine_args_from_flags() -> dict[str, Any]:
         enable_prefix_caching=FLAGS.enable_prefix_caching, static_batching=FLAGS.static_batching,
         unroll_layers=FLAGS.unroll_layers, layers_per_program=FLAGS.layers_per_program,
         compile_threads=FLAGS.compile_threads, async_scheduling=FLAGS.async_scheduling,
+        stream_interval=FLAGS.stream_interval,
         strict_compiles=FLAGS.strict_compiles,
         # multi-host: the score programs would have to run in lock-step on every process
         enable_prompt_logprobs=FLAGS.enable_prompt_logprobs and FLAGS.num_processes == 1,

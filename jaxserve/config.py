@@ -413,6 +413,10 @@ class EngineConfig:
     # request that a stop string ends wastes one row of the step already dispatched.
     # A step with structured-output rows is followed without overlap.
     async_scheduling: bool = True
+    # vLLM's stream_interval: a live request gets a RequestOutput once it has this many
+    # new tokens (its first token and its last always at once); 1 is every token. Larger
+    # values batch several tokens into one output (one SSE event) and cut host work.
+    stream_interval: int = 1
 
     def __post_init__(self):
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
@@ -424,6 +428,8 @@ class EngineConfig:
                      <= L and L % self.layers_per_program == 0),
                  f"EngineConfig.layers_per_program={self.layers_per_program!r} must be a "
                  f"divisor of num_hidden_layers={L}")
+        _require(isinstance(self.stream_interval, int) and self.stream_interval >= 1,
+                 f"EngineConfig.stream_interval={self.stream_interval!r} must be a positive int")
         _require(isinstance(self.compile_threads, int) and self.compile_threads >= 1,
                  f"EngineConfig.compile_threads={self.compile_threads!r} must be a positive int")
         _require(self.quantization in QUANTIZATION_SCHEMES,

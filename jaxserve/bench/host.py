@@ -24,13 +24,15 @@ also attention and sampling metadata), update_from_output, output processing
 (incremental detokenizer, stop checks, `RequestOutput` assembly) and the rest of
 `step()`. With `--real` the device half is `ModelRunner.launch_host_batch` (host to
 device copy, the programs' launch) and `tp.fetch` (waiting for them, the copy back),
-timed as they run. `--no_async` turns the engine's `async_scheduling` off (the serial
+timed as they run. `--stream_interval=k` gives each request an output every k tokens
+(vLLM's; the default 1 is every token). `--no_async` turns the engine's `async_scheduling` off (the serial
 loop: plan, run, fetch, process outputs, then plan the next).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -99,7 +101,7 @@ class HostResult:
 
 
 def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any,
-            async_scheduling: bool = True) -> Any:
+            async_scheduling: bool = True, stream_interval: int = 1) -> Any:
     from jaxserve.config import ModelConfig
     from jaxserve.engine import LLMEngine, make_engine_config
     from jaxserve.worker.fake_runner import FakeRunner
@@ -115,12 +117,14 @@ def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any,
         config = make_engine_config(cfg, max_num_seqs=rows, max_num_batched_tokens=max(2048, rows),
                                     num_kv_blocks=128 * rows + 1, block_size=16,
                                     max_model_len=2048, attention_backend="xla",
-                                    async_scheduling=async_scheduling)
+                                    async_scheduling=async_scheduling,
+                                    stream_interval=stream_interval)
         return LLMEngine(config, params, tokenizer, progress=False)
     config = make_engine_config(ModelConfig.smollm2_135m(), max_num_seqs=rows,
                                 max_num_batched_tokens=max(2048, rows),
                                 num_kv_blocks=128 * rows + 1, block_size=16, max_model_len=2048,
-                                async_scheduling=async_scheduling)
+                                async_scheduling=async_scheduling,
+                                stream_interval=stream_interval)
     runner = FakeRunner.for_config(config, build_batches=True, step_delay=device_ms / 1000)
     return LLMEngine(config, tokenizer=tokenizer, runner=runner)
 
@@ -150,12 +154,16 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
 
 
 def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokenizer: Any,
-             async_scheduling: bool = True,
+             async_scheduling: bool = True, stream_interval: int = 1,
              log: Callable[[str], None] = print) -> HostResult:
     """Time one case (see the module doc); all `rows` requests decode throughout."""
     from jaxserve.sampling_params import SamplingParams
 
-    engine = _engine(rows, device_ms, real, tokenizer, async_scheduling)
+    engine = _engine(rows, device_ms, real, tokenizer, async_scheduling, stream_interval)
+    # The heap a server process has after warm-up (`freeze_gc_heap` runs once a process,
+    # so a second case here would otherwise run with its engine unfrozen).
+    gc.collect()
+    gc.freeze()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                            add_generation_prompt=True, tokenize=True)
     sp = SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)
@@ -197,7 +205,8 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
     period = wall / steps
     host = period - wait / steps
     res = HostResult(
-        runner=("model_runner(tiny)" if real else "fake") + ("" if async_scheduling else ",serial"),
+        runner=("model_runner(tiny)" if real else "fake") + ("" if async_scheduling else ",serial")
+        + ("" if stream_interval == 1 else f",k={stream_interval}"),
         rows=rows,
         device_ms=None if real else device_ms, steps=steps, seconds=round(wall, 3),
         tokens_per_request_per_s=round(sum(gained) / len(gained) / wall, 1),
@@ -233,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="GGUF whose tokenizer detokenizes "
                     "(default: the default SmolLM2 file)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--stream_interval", type=int, default=1,
+                    help="the engine's stream_interval (vLLM's): tokens per output")
     ap.add_argument("--no_async", action="store_true",
                     help="async_scheduling off: the serial loop, for an A/B")
     a = ap.parse_args(argv)
@@ -245,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     results = [asdict(run_case(n, d or 0.0, seconds=a.seconds, real=a.real, tokenizer=tok,
                                async_scheduling=not a.no_async,
+                               stream_interval=a.stream_interval,
                                log=lambda s: print(s, flush=True)))
                for d in dms for n in rows]
     print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)

@@ -91,7 +91,7 @@ class LLMEngine:
                                    bucket_policy=self.bucket_policy)
         self.eos_token_ids = _eos_token_ids(self.config, tokenizer)
         self.inputs = InputProcessor(self.config, tokenizer, self.eos_token_ids)
-        self.outputs = OutputProcessor(tokenizer)
+        self.outputs = OutputProcessor(tokenizer, stream_interval=self.config.stream_interval)
         self.prompt_tokens_total = 0
         self.last_step_tokens = 0
         self.num_aborted = 0

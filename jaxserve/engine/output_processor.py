@@ -88,6 +88,12 @@ class _Parent:
     metrics: RequestMetrics
     scores: _PromptScores | None = None
     final_only: bool = False  # RequestOutputKind.FINAL_ONLY: no output until finished
+    sent: bool = False  # an output has been collected (stream_interval holds the next ones)
+
+
+def _fewer_than(p: _Parent, k: int) -> bool:
+    """No sample of `p` has k tokens since its last output."""
+    return all(len(c.delta_ids) < k for c in p.children)
 
 
 class OutputProcessor:
@@ -95,10 +101,13 @@ class OutputProcessor:
 
     Args:
       tokenizer: for the detokenizers; None means token ids only (no text).
+      stream_interval: vLLM's: a live request's next output waits until one of its samples
+        has this many new tokens (its first output and its final one are never held).
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, *, stream_interval: int = 1):
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[str, int]] = {}
         self.generation_tokens_total = 0
@@ -290,13 +299,14 @@ class OutputProcessor:
     def collect(self, parent_ids: Iterable[str]) -> list[RequestOutput]:
         """One `RequestOutput` per parent (deduplicated, in order), deltas since the last one;
         a finished parent is forgotten. A FINAL_ONLY parent gets one only once finished
-        (its deltas then span the whole output)."""
+        (its deltas then span the whole output); with `stream_interval` k > 1 a live parent
+        that has had an output gets the next once a sample has k new tokens."""
         outs = []
-        parents, completion = self._parents, self._completion
+        parents, completion, k = self._parents, self._completion, self.stream_interval
         for pid in dict.fromkeys(parent_ids):
             p = parents.get(pid)
-            if p is None or (p.final_only and not all(c.request.is_finished
-                                                        for c in p.children)):
+            if p is None or ((p.final_only or (k > 1 and p.sent and _fewer_than(p, k)))
+                             and not all(c.request.is_finished for c in p.children)):
                 continue
             comps, finished = [], True
             for c in p.children:
@@ -305,6 +315,7 @@ class OutputProcessor:
             if finished:
                 p.metrics.finished_time = time.monotonic()
                 self.pop(pid)
+            p.sent = True
             ro = RequestOutput(pid, p.prompt, p.prompt_token_ids, comps, finished, p.metrics)
             sc = p.scores
             if sc is not None and sc.complete:

@@ -108,3 +108,47 @@ def test_output_kind_is_validated_and_normalised():
     for bad in (3, -1, True, "FINAL_ONLY", None):
         with pytest.raises(ValueError, match="output_kind.*RequestOutputKind"):
             SamplingParams(output_kind=bad)
+
+
+def _run(stream_interval: int) -> dict[str, list]:
+    model = ModelConfig.tiny()
+    config = make_engine_config(model, max_model_len=64, block_size=4, num_kv_blocks=64,
+                                max_num_seqs=8, max_num_batched_tokens=32,
+                                stream_interval=stream_interval)
+    V = tiny_tokenizer().vocab_size
+    runner = FakeRunner.for_config(config, build_batches=True, token_fn=lambda req, pos:
+                                   default_token(req.request_id, pos, vocab_size=V))
+    eng = LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False)
+    eng.add_request("x", "hello world", SamplingParams(max_tokens=11, ignore_eos=True, logprobs=1))
+    eng.add_request("y", "abc", SamplingParams(n=2, max_tokens=13, ignore_eos=True,
+                                                stop=["u", "x"]))
+    seen: dict[str, list] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            seen.setdefault(o.request_id, []).append(o)
+    return seen
+
+
+def test_stream_interval_batches_tokens_into_fewer_outputs_with_the_same_result():
+    """vLLM's stream_interval k: the first token at once, then an output each k tokens, the
+    final one at once; the deltas add up to the same text, ids and logprobs as k = 1."""
+    one, four = _run(1), _run(4)
+    x1, x4 = one["x"], four["x"]
+    assert [len(o.outputs[0].delta_token_ids) for o in x1] == [1] * 11
+    assert [len(o.outputs[0].delta_token_ids) for o in x4] == [1, 4, 4, 2]
+    assert x4[-1].finished and not any(o.finished for o in x4[:-1])
+    for rid in ("x", "y"):
+        a, b = one[rid][-1], four[rid][-1]
+        for ca, cb in zip(a.outputs, b.outputs):
+            assert (ca.text, ca.token_ids, ca.logprobs, ca.finish_reason, ca.stop_reason) == (
+                cb.text, cb.token_ids, cb.logprobs, cb.finish_reason, cb.stop_reason)
+        for i in range(len(b.outputs)):  # the deltas add up to the cumulative fields
+            assert "".join(o.outputs[i].delta_text for o in four[rid]) == b.outputs[i].text
+            assert sum((o.outputs[i].delta_token_ids for o in four[rid]), []) == \
+                b.outputs[i].token_ids
+    assert len(four["y"]) < len(one["y"])
+
+
+def test_stream_interval_is_validated():
+    with pytest.raises(ValueError, match="stream_interval=0 must be a positive int"):
+        make_engine_config(ModelConfig.tiny(), stream_interval=0)
