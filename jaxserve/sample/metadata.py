@@ -90,7 +90,8 @@ def constant_array(shape: tuple[int, ...], value: int, dtype: str) -> np.ndarray
     """A read-only array filled with `value`, shared by every caller (never written).
 
     `make_sampling_metadata` hands one out for the token history when no row is
-    penalised and for the bitmask when no row has a grammar; the runner's
+    penalised, for the bitmask when no row has a grammar, for the suppressed ids when no
+    row is under min_tokens and for logit_bias when no row has one; the runner's
     `TensorParallel.put_batch` keeps such arrays on the device, so a step does not
     copy them again (at 256 rows and max_model_len 2048 they are 2 MiB + 1.5 MiB).
     """
@@ -179,9 +180,16 @@ def make_sampling_metadata(
     live = [r for r in rows if r is not None]
     history = _filled((S, max_model_len), any(_uses_penalties(r.params) for r in live))
     prompt_lens = np.zeros(S, np.int32)
-    suppress = np.full((S, SUPPRESS_WIDTH), -1, np.int32)
-    bias_ids = np.zeros((S, MAX_LOGIT_BIAS), np.int32)
-    bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
+    # Rows under min_tokens / with logit_bias write these; with none, the shared constants
+    # stay on the device (150 KiB a step at 64 rows otherwise).
+    suppress = _filled((S, SUPPRESS_WIDTH), any(
+        len(r.output_token_ids) < r.params.min_tokens for r in live))
+    if any(r.params.logit_bias for r in live):
+        bias_ids = np.zeros((S, MAX_LOGIT_BIAS), np.int32)
+        bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
+    else:
+        bias_ids = constant_array((S, MAX_LOGIT_BIAS), 0, "int32")
+        bias_values = constant_array((S, MAX_LOGIT_BIAS), 0, "float32")
     bitmask = _filled((S, 0 if vocab_size is None else (vocab_size + 31) // 32),
                       any(r.allowed is not None for r in live))
     for i, row in enumerate(rows):

@@ -81,6 +81,24 @@ def test_metadata_is_fixed_shape_with_zero_padding():
     assert not md.logit_bias_ids[1].any() and not md.logit_bias_values[1].any()
 
 
+def test_rows_without_bias_or_min_tokens_share_the_device_constants():
+    """No row biased / under min_tokens: the bias and suppression inputs are the shared
+    read-only constants the runner keeps on the device (not copied each step); one such
+    row makes them fresh arrays with its entries."""
+    from jaxserve.sample.metadata import is_constant_array
+
+    plain = make_sampling_metadata([_row(), None], num_rows=2, max_model_len=M)
+    for a in (plain.logit_bias_ids, plain.logit_bias_values, plain.suppress_ids):
+        assert is_constant_array(a) and not a.flags.writeable
+    assert not plain.logit_bias_ids.any() and (plain.suppress_ids == -1).all()
+    row = SamplingRow(SamplingParams(min_tokens=2, stop_token_ids=[11]), seed=0, output_pos=1,
+                      prompt_token_ids=[3], output_token_ids=[5], eos_token_ids=(2,))
+    md = make_sampling_metadata([_row({4: 1.0}), row], num_rows=2, max_model_len=M)
+    assert not any(map(is_constant_array, (md.logit_bias_ids, md.suppress_ids)))
+    assert md.logit_bias_ids[0, 0] == 4 and md.logit_bias_values[0, 0] == 1.0
+    assert md.suppress_ids[1, :2].tolist() == [11, 2] and (md.suppress_ids[0] == -1).all()
+
+
 @pytest.mark.parametrize("bias,msg", [
     ({"5": 100.5}, "logit_bias[5]=100.5: the bias must be a number in [-100, 100]"),
     ({5: -101}, "logit_bias[5]=-101: the bias must be a number in [-100, 100]"),
