@@ -28,15 +28,25 @@ _KERNELS = NativeKernels(_SRC, "qmatmul", {TARGETS[k]: _SYMBOLS[k] for k in TARG
 available, status = _KERNELS.available, _KERNELS.status  # build + register; cache-key part
 
 
+def _lib_fn(name: str):
+    fn = getattr(_KERNELS._state["lib"], name)
+    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64] if "Set" in name else []
+    return fn
+
+
 def int_rows() -> int:
     """Rows of x up to which the kernel quantizes x to two int8 digits per 32-element
     block and uses integer dot products (0: it keeps x in f32, i.e. no AVX-512 VNNI, or
     the kernel is unavailable). `quantize_x` gives that quantization's values."""
-    if not available():
-        return 0
-    fn = _KERNELS._state["lib"].JaxserveQMatmulIntRows
-    fn.restype = ctypes.c_int64
-    return int(fn())
+    return int(_lib_fn("JaxserveQMatmulIntRows")()) if available() else 0
+
+
+def set_int_rows(rows: int) -> int:
+    """Set the process-wide `int_rows` (clamped to [0, the kernel's maximum]; 0 runs the
+    f32-activation kernels), for measurements that compare both paths in one process
+    (scripts/measure_quant_drift.py); compiled programs need no recompile. Returns the
+    value in force."""
+    return int(_lib_fn("JaxserveQMatmulSetIntRows")(rows)) if available() else 0
 
 
 def quantize_x(x: np.ndarray) -> np.ndarray:
