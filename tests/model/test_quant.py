@@ -100,7 +100,7 @@ def test_quantized_matmul_matches_float64(native, kind, shape, x_path):
           quant.quantize_q8(w, block=k if kind == "int8" else 32))
     wd = quant.dequantize(qw, np.float64)
     fn = jax.jit(lambda x, w: linear.quantized_matmul(x, w, native=native))
-    for m in (1, 2, 3, 7, 64):
+    for m in (1, 2, 3, 4, 7, 64):
         x = rng.standard_normal((m, k)).astype(np.float32)
         want = _quantize_x(x, native) @ wd.T
         got = np.asarray(fn(x, qw))

@@ -22,6 +22,7 @@
 // ("tail") is done with 256-bit registers in natural order.
 constexpr int64_t kPairBytes = 128;  // per pair: hi[64], lo[64]
 constexpr int64_t kPairLanes = 16;
+constexpr bool kPrefetch = true;   // the next tile's weight rows, one pair ahead
 
 // x quantized: rows of `row_bytes` digits, `row_lanes` per-lane scales / corrections.
 struct QuantX {
@@ -173,7 +174,7 @@ void IntTile(const Work& w, const QuantX& xq, int64_t n0, int64_t r0) {
     for (int r = 0; r < RT; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t p = 0; p < xq.npair; ++p) {
     for (int i = 0; i < NT; ++i) {
-      _mm_prefetch(static_cast<const char*>(w.q) + (n0 + NT + i) * (Q4 ? w.K / 2 : w.K) +
+      if (kPrefetch) _mm_prefetch(static_cast<const char*>(w.q) + (n0 + NT + i) * (Q4 ? w.K / 2 : w.K) +
                        p * (Q4 ? 32 : 64), _MM_HINT_T0);
       const __m512i wq = PairWeights<Q4>(w, n0 + i, p);
       const __m512 dw = PairScales(w, n0 + i, 2 * p);
