@@ -110,6 +110,17 @@ def test_quantized_matmul_matches_float64(native, kind, shape, x_path):
         assert np.abs(got - plain).max() <= X_QUANT_REL_ERR * np.abs(plain).max(), m
 
 
+def test_native_matmul_propagates_nan_and_inf(x_path):
+    """A NaN / inf in x reaches y on both activation paths (the integer one hands such an
+    x to the f32 kernels instead of quantizing it)."""
+    rng = np.random.default_rng(9)
+    qw = quant.quantize_q4(rng.standard_normal((8, 64)).astype(np.float32))
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    x[0, 5], x[1, 40] = np.nan, np.inf
+    got = np.asarray(jax.jit(lambda x, w: linear.quantized_matmul(x, w, native=True))(x, qw))
+    assert np.isnan(got[0]).all() and not np.isfinite(got[1]).any()
+
+
 def test_quantize_x_digits():
     """The two-digit activation quantization: error <= amax / 127 / 256 per block (a tie
     clamps lo to 127), exact on zeros and on multiples of the first digit."""

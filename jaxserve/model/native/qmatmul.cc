@@ -274,8 +274,7 @@ ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const v
   w->n_tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
 #ifdef JAXSERVE_INT_DOT
   thread_local QuantX xq;  // the calling thread's; helpers only read it while it waits
-  if (M <= g_int_rows.load(std::memory_order_relaxed)) {
-    QuantizeX(w->x, M, K, xq);
+  if (M <= g_int_rows.load(std::memory_order_relaxed) && QuantizeX(w->x, M, K, xq)) {
     w->xq = &xq;
   }
 #endif

@@ -28,9 +28,10 @@ constexpr bool kPrefetch = true;   // the next tile's weight rows, one pair ahea
 struct QuantX {
   int64_t npair = 0, tail = 0, row_bytes = 0, row_lanes = 0, nb = 0;
   std::vector<int8_t> q;       // [M, row_bytes]: pairs (hi 64, lo 64), tail (hi 32, lo 32)
-  std::vector<float> dl;       // [M, row_lanes]: d / 254 of the lane's block
-  std::vector<int32_t> corr;   // [M, row_lanes]: q8's 128 * (256 sum hi + sum lo), a block's 1st lane
-  std::vector<float> xs;       // [M, nb]: sum of the block's quantized x, d * (sum hi + sum lo / 256)
+  std::vector<float> dl;       // [M, row_lanes]: d / 256 of the lane's block
+  std::vector<int32_t> corr;   // [M, row_lanes]: q8's 128 * (256 sum hi + sum lo) on a
+                               // block's first lane, 0 elsewhere
+  std::vector<float> xs;       // [M, nb]: d * (sum hi + sum lo / 256), the block's sum
 };
 
 // Byte position of element e of block b inside its pair's (or the tail's) 64 / 32 bytes.
@@ -39,7 +40,8 @@ inline int64_t DigitPos(int64_t b, int64_t e, bool tail) {
   return (e < 16 ? 0 : 32) + (b & 1) * 16 + (e & 15);
 }
 
-void QuantizeX(const float* x, int64_t M, int64_t K, QuantX& o) {
+// False if x holds a NaN or an infinity: the caller then keeps x in f32, so they propagate.
+bool QuantizeX(const float* x, int64_t M, int64_t K, QuantX& o) {
   o.nb = K / 32, o.npair = o.nb / 2, o.tail = o.nb % 2;
   o.row_bytes = o.npair * kPairBytes + o.tail * 64;
   o.row_lanes = o.npair * kPairLanes + o.tail * 8;
@@ -49,7 +51,10 @@ void QuantizeX(const float* x, int64_t M, int64_t K, QuantX& o) {
     for (int64_t b = 0; b < o.nb; ++b) {
       const float* xb = x + r * K + b * 32;
       float amax = 0.f;
-      for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(xb[e]));
+      for (int e = 0; e < 32; ++e) {
+        if (!std::isfinite(xb[e])) return false;
+        amax = std::max(amax, std::fabs(xb[e]));
+      }
       const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
       const bool tail = b / 2 == o.npair;
       int8_t* hi = o.q.data() + r * o.row_bytes + (b / 2) * kPairBytes;
@@ -70,6 +75,7 @@ void QuantizeX(const float* x, int64_t M, int64_t K, QuantX& o) {
       o.xs[r * o.nb + b] = d * (static_cast<float>(sh) + static_cast<float>(sl) / 256.f);
     }
   }
+  return true;
 }
 
 // Weight row n's scales of blocks b, b + 1 on the dpbusd lanes of a pair.
