@@ -57,7 +57,7 @@ def test_quantize_error_within_half_a_step(kind):
 
 # The native kernel's integer path (M <= native_qmatmul.int_rows(), AVX-512 VNNI) quantizes
 # x to two int8 digits per 32-block: against the plain product of the dequantized weights
-# its error is that quantization's, measured <= 2.6e-5 of max|y| on these shapes; the
+# its error is that quantization's, measured <= 3.7e-5 of max|y| on these shapes; the
 # bound below documents it (the f32-activation paths stay within 1e-5).
 X_QUANT_REL_ERR = 1e-4
 
