@@ -51,8 +51,8 @@ def _cpu_flags() -> str:
 
 def build_library(src_path: Path, stem: str) -> Path:
     """Compile one native kernel source into a shared library (or reuse the cached build,
-    keyed on source / compiler / flags / jaxlib / CPU); the library's path. Also used by
-    `jaxserve.model.native_qmatmul`.
+    keyed on source and its `<stem>*.h` headers / compiler / flags / jaxlib / CPU); the
+    library's path. Also used by `jaxserve.model.native_qmatmul`.
 
     Raises:
       RuntimeError: no C++ compiler ($CXX, c++, g++, clang++) or the compile failed.
@@ -61,7 +61,9 @@ def build_library(src_path: Path, stem: str) -> Path:
                 if c and shutil.which(c)), None)
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
-    src = src_path.read_bytes()
+    # the source and the headers beside it (qmatmul.cc includes qmatmul_int.h)
+    src = b"\0".join(p.read_bytes() for p in
+                      [src_path, *sorted(src_path.parent.glob(f"{stem}*.h"))])
     key = hashlib.sha256(b"\0".join([src, cxx.encode(), " ".join(_FLAGS).encode(),
                                      jax.__version__.encode(), _cpu_flags().encode()]))
     cache = Path(os.environ.get("JAXSERVE_NATIVE_CACHE",

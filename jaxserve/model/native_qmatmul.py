@@ -10,6 +10,7 @@ Built and cached like the decode-attention kernel (`jaxserve.attention.native_cp
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import jax
@@ -25,6 +26,51 @@ _SRC = Path(__file__).with_name("native") / "qmatmul.cc"
 _KERNELS = NativeKernels(_SRC, "qmatmul", {TARGETS[k]: _SYMBOLS[k] for k in TARGETS},
                          "native CPU quantized matmul")
 available, status = _KERNELS.available, _KERNELS.status  # build + register; cache-key part
+
+
+def _lib_fn(name: str):
+    fn = getattr(_KERNELS._state["lib"], name)
+    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64] if "Set" in name else []
+    return fn
+
+
+def int_rows() -> int:
+    """Rows of x up to which the kernel quantizes x to two int8 digits per 32-element
+    block and uses integer dot products (0: it keeps x in f32, i.e. no AVX-512 VNNI, or
+    the kernel is unavailable). `quantize_x` gives that quantization's values."""
+    return int(_lib_fn("JaxserveQMatmulIntRows")()) if available() else 0
+
+
+def set_int_rows(rows: int) -> int:
+    """Set the process-wide `int_rows` (clamped to [0, the kernel's maximum]; 0 runs the
+    f32-activation kernels), for measurements that compare both paths in one process
+    (scripts/measure_quant_drift.py); compiled programs need no recompile. Returns the
+    value in force."""
+    return int(_lib_fn("JaxserveQMatmulSetIntRows")(rows)) if available() else 0
+
+
+def quantize_x(x: np.ndarray) -> np.ndarray:
+    """The values the kernel's integer path multiplies for x f32[M, K] (K % 32 == 0), as
+    float64 [M, K] (the reference of `native/qmatmul.cc` QuantizeX): per 32-element block,
+    d = amax / 127, v = x * (127 / amax) in f32, hi = rint(v),
+    lo = min(rint((v - hi) * 256), 127), x' = d * hi + (d / 256) * lo;
+    |x' - x| <= d / 512 (d / 256 on an exact tie): about 1.6e-5 of the block's amax.
+
+    Raises:
+      ValueError: K is not a multiple of 32."""
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"quantize_x: K={k} is not a multiple of 32")
+    b = np.asarray(x, np.float32).reshape(m, k // 32, 32)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    d = (amax / np.float32(127)).astype(np.float32)
+    v = (b * inv).astype(np.float32)
+    hi = np.rint(v)
+    lo = np.minimum(np.rint((v - hi) * np.float32(256)), 127)
+    xq = d.astype(np.float64) * hi + (d / np.float32(256)).astype(np.float64) * lo
+    return xq.reshape(m, k)
 
 
 def qmatmul(x: jax.Array, q: jax.Array, scale: jax.Array, mn: jax.Array | None, *, kind: str,

@@ -55,24 +55,85 @@ def test_quantize_error_within_half_a_step(kind):
     assert qw.scale.shape == (5, 64 // qw.block)
 
 
+# The native kernel's integer path (M <= native_qmatmul.int_rows(), AVX-512 VNNI) quantizes
+# x to two int8 digits per 32-block: against the plain product of the dequantized weights
+# its error is that quantization's, measured <= 3.7e-5 of max|y| on these shapes; the
+# bound below documents it (the f32-activation paths stay within 1e-5).
+X_QUANT_REL_ERR = 1e-4
+
+
+def _quantize_x(x: np.ndarray, native: bool) -> np.ndarray:
+    """float64 x as the kernel multiplies it: `native_qmatmul.quantize_x` on the integer
+    path, x itself otherwise."""
+    if native and x.shape[0] <= native_qmatmul.int_rows():
+        return native_qmatmul.quantize_x(x)
+    return x.astype(np.float64)
+
+
+@pytest.fixture(params=["int", "f32"], ids=["int_x", "f32_x"])
+def x_path(request):
+    """The native kernel's activation path for M <= 2: the integer one (where the CPU has
+    it) or the f32 one (`set_int_rows(0)`); restored afterwards."""
+    if not native_qmatmul.available():
+        pytest.skip("no C++ compiler")
+    before = native_qmatmul.int_rows()
+    if request.param == "int" and before == 0:
+        pytest.skip("no integer path on this CPU (AVX-512 VNNI)")
+    if request.param == "f32":
+        native_qmatmul.set_int_rows(0)
+    yield request.param
+    native_qmatmul.set_int_rows(before)
+
+
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("kind", ["q8", "q4", "int8"])
-@pytest.mark.parametrize("shape", [(37, 96), (5, 160)])
-def test_quantized_matmul_matches_float64(native, kind, shape):
-    if native and not native_qmatmul.available():
-        pytest.skip("no C++ compiler")
+@pytest.mark.parametrize("shape", [(37, 96), (5, 160), (6, 64)])
+def test_quantized_matmul_matches_float64(native, kind, shape, x_path):
+    """Within 1e-5 of float64 (dequantized W) @ (x as the kernel quantizes it); within
+    X_QUANT_REL_ERR of the unquantized product. Odd and even numbers of 32-blocks."""
+    if not native and x_path == "int":
+        pytest.skip("the dequantize + dot path has no activation paths")
     n, k = shape
     rng = np.random.default_rng(n * k)
     w = rng.standard_normal((n, k)).astype(np.float32)
     qw = (quant.quantize_q4(w) if kind == "q4" else
           quant.quantize_q8(w, block=k if kind == "int8" else 32))
+    wd = quant.dequantize(qw, np.float64)
     fn = jax.jit(lambda x, w: linear.quantized_matmul(x, w, native=native))
-    for m in (1, 2, 7, 64):
+    for m in (1, 2, 3, 4, 7, 64):
         x = rng.standard_normal((m, k)).astype(np.float32)
-        want = x.astype(np.float64) @ quant.dequantize(qw, np.float64).T
+        want = _quantize_x(x, native) @ wd.T
         got = np.asarray(fn(x, qw))
         assert got.shape == (m, n)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        plain = x.astype(np.float64) @ wd.T
+        assert np.abs(got - plain).max() <= X_QUANT_REL_ERR * np.abs(plain).max(), m
+
+
+def test_native_matmul_propagates_nan_and_inf(x_path):
+    """A NaN / inf in x reaches y on both activation paths (the integer one hands such an
+    x to the f32 kernels instead of quantizing it)."""
+    rng = np.random.default_rng(9)
+    qw = quant.quantize_q4(rng.standard_normal((8, 64)).astype(np.float32))
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    x[0, 5], x[1, 40] = np.nan, np.inf
+    got = np.asarray(jax.jit(lambda x, w: linear.quantized_matmul(x, w, native=True))(x, qw))
+    assert np.isnan(got[0]).all() and not np.isfinite(got[1]).any()
+
+
+def test_quantize_x_digits():
+    """The two-digit activation quantization: error <= amax / 127 / 256 per block (a tie
+    clamps lo to 127), exact on zeros and on multiples of the first digit."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((3, 96)) * rng.uniform(1e-3, 1e3, (3, 1))).astype(np.float32)
+    x[1, 32:64] = 0.0
+    xq = native_qmatmul.quantize_x(x)
+    amax = np.abs(x).reshape(3, 3, 32).max(-1, keepdims=True).astype(np.float64)
+    err = np.abs(xq - x).reshape(3, 3, 32)
+    assert np.all(err <= amax / 127 / 256 * (1 + 1e-6))
+    assert np.all(xq[1, 32:64] == 0)
+    with pytest.raises(ValueError, match="K=40 is not a multiple of 32"):
+        native_qmatmul.quantize_x(np.zeros((1, 40), np.float32))
 
 
 def test_embed_rows_and_linear_dispatch():

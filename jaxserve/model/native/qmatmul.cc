@@ -1,24 +1,24 @@
 // Quantized-weight matmul for XLA:CPU (XLA FFI): y[M, N] = x[M, K] @ W[N, K]^T, with W in
-// ggml-style blocks along K (jaxserve/model/quant.py documents the formats), dequantized
-// on the fly: the weights are read once per call, never written out in float.
+// ggml-style blocks along K (jaxserve/model/quant.py documents the formats), read once per
+// call and never written out in float.
 //
 //   q8: q s8[N, K], scale f16[N, K/block]           w = scale * q
 //   q4: q u8[N, K/2], scale, min f16[N, K/32]       w = scale * nib + min
-//   (f16 scales converted to f32 exactly, the products in f32, as ggml)
 //       (byte j of a 32-block: element j in the low nibble, element j + 16 in the high one)
 //
-// Up to kDirectRows rows of x (decode of one or two sequences): register tiles of 4
-// weight rows x 1-2 rows of x (AVX2/FMA); each 32-element sub-block of the 4 weight rows
-// is dequantized in registers (int8 / nibbles -> f32, times the block's scale, plus its
-// min) and multiplied into the accumulators; no dequantized copy of W is written.
-// More rows: each task dequantizes its 32 weight rows once into a small f32 panel (L2)
-// and multiplies it by all rows of x with 4 x 3 register tiles. K and block must be multiples of 32. Output rows are split
-// into tasks of kRowsPerTask weight rows, taken by XLA's intra-op thread pool
-// (ffi::ThreadPool) and the calling thread. Activations stay f32. Without AVX2 a
-// portable scalar loop computes the same sums.
+// Up to kIntMaxRows rows of x (decode) with AVX-512 VNNI: x is quantized once per call to
+// two int8 digits per 32-element block and multiplied by the raw weight bytes with integer
+// dot products (the "Integer dot products" section). Otherwise up to kDirectRows rows:
+// 4 weight rows x 1-2 rows of x dequantized in registers (AVX2/FMA, f32 x); more rows:
+// each task dequantizes its 32 weight rows once into an f32 panel (L2) and runs 4 x 3 fp32
+// register tiles. K and block must be multiples of 32. Output rows are split into tasks of
+// kRowsPerTask weight rows, taken by XLA's intra-op pool (ffi::ThreadPool) and the calling
+// thread; small products run on the calling thread alone. Without AVX2 a portable scalar
+// loop computes the f32 sums.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -60,6 +60,10 @@ inline float HalfToFloat(uint16_t h) {
 
 constexpr int64_t kRowsPerTask = 32;
 constexpr int64_t kDirectRows = 2;  // up to this many rows of x: dequantize in registers
+// Up to this many rows of x: integer dot products (notes/issue26_q4.md: at M = 3 they beat
+// the f32 panel, 0.16 vs 0.24 ms on mlp_up; at M = 8 it is mixed, at 64 the panel wins).
+constexpr int64_t kIntMaxRows = 4;
+constexpr int64_t kSerialWork = int64_t{1} << 21;  // M * N * K below which one thread runs it
 
 struct Work {
   int64_t M, N, K, block, nb;
@@ -69,6 +73,7 @@ struct Work {
   const uint16_t* scale;  // f16 bits
   const uint16_t* mn;
   float* y;
+  const void* xq = nullptr;  // QuantX of x when the integer path runs
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   int64_t n_tasks;
@@ -189,8 +194,23 @@ void RunPanel(const Work& w, int64_t n0, int64_t n1) {
   for (; p < n1 - n0; ++p) PanelRows<1>(w, panel.data(), p, n0);
 }
 
+#include "qmatmul_int.h"  // integer dot products (AVX-512 VNNI); needs Work
+#endif  // __AVX2__
+
+// Rows of x up to which the integer path runs (JaxserveQMatmulSetIntRows).
+#ifdef JAXSERVE_INT_DOT
+std::atomic<int64_t> g_int_rows{kIntMaxRows};
+#else
+std::atomic<int64_t> g_int_rows{0};
+#endif
+
+#ifdef __AVX2__
+
 template <bool Q4>
 void RunRows(const Work& w, int64_t n0, int64_t n1) {
+#ifdef JAXSERVE_INT_DOT
+  if (w.xq != nullptr) return RunInt<Q4>(w, n0, n1);
+#endif
   if (w.M > kDirectRows) return RunPanel<Q4>(w, n0, n1);
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) Rows<Q4, 4>(w, n);
@@ -252,7 +272,17 @@ ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const v
   w->scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
   w->y = y->typed_data();
   w->n_tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), w->n_tasks - 1);
+#ifdef JAXSERVE_INT_DOT
+  thread_local QuantX xq;  // the calling thread's; helpers only read it while it waits
+  if (M <= g_int_rows.load(std::memory_order_relaxed) && QuantizeX(w->x, M, K, xq)) {
+    w->xq = &xq;
+  }
+#endif
+  // Small products run on the calling thread: handing tasks to the pool costs more
+  // than it saves below ~kSerialWork multiply-adds; never more threads than cores.
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t helpers = M * N * K < kSerialWork ? 0 :
+      std::min<int64_t>({pool.num_threads(), cores - 1, w->n_tasks - 1});
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([w]() { w->Drain(); });
   w->Drain();
   while (w->done.load(std::memory_order_acquire) < w->n_tasks) std::this_thread::yield();
@@ -300,3 +330,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmulQ4, Q4Impl,
                                   .Arg<ffi::Buffer<ffi::F16>>()  // min [N, K/32]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("block"));
+
+// Rows of x up to which x is quantized to two int8 digits (0: f32 activations). At most
+// kIntMaxRows, 0 without AVX-512 VNNI; settable (measurements compare both paths).
+extern "C" int64_t JaxserveQMatmulIntRows() { return g_int_rows.load(); }
+
+extern "C" int64_t JaxserveQMatmulSetIntRows(int64_t rows) {
+#ifdef JAXSERVE_INT_DOT
+  g_int_rows.store(std::clamp<int64_t>(rows, 0, kIntMaxRows));
+#endif
+  return g_int_rows.load();
+}

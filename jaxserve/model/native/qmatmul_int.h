@@ -1,0 +1,220 @@
+// Part of qmatmul.cc (included inside its anonymous namespace, after `Work` and the
+// AVX2 helpers): the integer-dot-product path for up to kIntMaxRows rows of x.
+// Defines JAXSERVE_INT_DOT, QuantX, QuantizeX and RunInt<Q4> when the CPU has
+// AVX-512 VNNI (+BW, VL) and F16C; nothing otherwise.
+#pragma once
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define JAXSERVE_INT_DOT 1
+// ---- Integer dot products (AVX-512 VNNI) ----------------------------------------------
+// Each row of x is quantized once per call, per 32-element block b, to two int8 digits:
+//   d = amax_b / 127, v = x * (127 / amax_b) (f32), hi = rint(v),
+//   lo = min(rint((v - hi) * 256), 127),  x ~= d * (hi + lo / 256)
+// |error| <= d / 512 (d / 256 on an exact tie), ~1.6e-5 of the block's amax (rint: round
+// half to even; `native_qmatmul.quantize_x` is the NumPy reference). Per block the exact
+// integer I = 256 * <w, hi> + <w, lo> comes from two vpdpbusd (u8 weights x s8 digits),
+// and the block adds dw * d / 256 * I:
+//   q4: unsigned nibbles; the min term adds min_b * sum(x_b) (sum of the quantized x);
+//   q8: weights xor 0x80 = w + 128 (unsigned), minus 128 * (256 * sum(hi) + sum(lo)).
+// Blocks go in pairs (A = 2p, B = 2p + 1): 64 bytes of a q4 pair unpack to
+// [A 0..15 | B 0..15 | A 16..31 | B 16..31] (16 bytes each), so x's digits are stored in
+// that order; dpbusd lanes 0-3, 8-11 hold A's sums and 4-7, 12-15 B's. An odd last block
+// ("tail") is done with 256-bit registers in natural order.
+constexpr int64_t kPairBytes = 128;  // per pair: hi[64], lo[64]
+constexpr int64_t kPairLanes = 16;
+constexpr bool kPrefetch = true;   // the next tile's weight rows, one pair ahead
+
+// x quantized: rows of `row_bytes` digits, `row_lanes` per-lane scales / corrections.
+struct QuantX {
+  int64_t npair = 0, tail = 0, row_bytes = 0, row_lanes = 0, nb = 0;
+  std::vector<int8_t> q;       // [M, row_bytes]: pairs (hi 64, lo 64), tail (hi 32, lo 32)
+  std::vector<float> dl;       // [M, row_lanes]: d / 256 of the lane's block
+  std::vector<int32_t> corr;   // [M, row_lanes]: q8's 128 * (256 sum hi + sum lo) on a
+                               // block's first lane, 0 elsewhere
+  std::vector<float> xs;       // [M, nb]: d * (sum hi + sum lo / 256), the block's sum
+};
+
+// Byte position of element e of block b inside its pair's (or the tail's) 64 / 32 bytes.
+inline int64_t DigitPos(int64_t b, int64_t e, bool tail) {
+  if (tail) return e;
+  return (e < 16 ? 0 : 32) + (b & 1) * 16 + (e & 15);
+}
+
+// False if x holds a NaN or an infinity: the caller then keeps x in f32, so they propagate.
+bool QuantizeX(const float* x, int64_t M, int64_t K, QuantX& o) {
+  o.nb = K / 32, o.npair = o.nb / 2, o.tail = o.nb % 2;
+  o.row_bytes = o.npair * kPairBytes + o.tail * 64;
+  o.row_lanes = o.npair * kPairLanes + o.tail * 8;
+  o.q.assign(M * o.row_bytes, 0), o.dl.assign(M * o.row_lanes, 0.f);
+  o.corr.assign(M * o.row_lanes, 0), o.xs.assign(M * o.nb, 0.f);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < o.nb; ++b) {
+      const float* xb = x + r * K + b * 32;
+      float amax = 0.f;
+      for (int e = 0; e < 32; ++e) {
+        if (!std::isfinite(xb[e])) return false;
+        amax = std::max(amax, std::fabs(xb[e]));
+      }
+      const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
+      const bool tail = b / 2 == o.npair;
+      int8_t* hi = o.q.data() + r * o.row_bytes + (b / 2) * kPairBytes;
+      int8_t* lo = hi + (tail ? 32 : 64);
+      int32_t sh = 0, sl = 0;
+      for (int e = 0; e < 32; ++e) {
+        const float v = xb[e] * id, h = std::nearbyint(v);
+        const float l = std::min(std::nearbyint((v - h) * 256.f), 127.f);
+        hi[DigitPos(b, e, tail)] = static_cast<int8_t>(h);
+        lo[DigitPos(b, e, tail)] = static_cast<int8_t>(l);
+        sh += static_cast<int32_t>(h), sl += static_cast<int32_t>(l);
+      }
+      const int64_t lane0 = r * o.row_lanes + (b / 2) * kPairLanes;
+      for (int l = 0; l < (tail ? 8 : kPairLanes); ++l) {
+        if (tail || ((l / 4) & 1) == (b & 1)) o.dl[lane0 + l] = d / 256.f;
+      }
+      o.corr[lane0 + (tail ? 0 : (b & 1) * 4)] = 128 * (256 * sh + sl);
+      o.xs[r * o.nb + b] = d * (static_cast<float>(sh) + static_cast<float>(sl) / 256.f);
+    }
+  }
+  return true;
+}
+
+// Weight row n's scales of blocks b, b + 1 on the dpbusd lanes of a pair.
+inline __m512 PairScales(const Work& w, int64_t n, int64_t b) {
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  __m128 d2;
+  if (w.block == 32) {
+    uint32_t bits;
+    std::memcpy(&bits, w.scale + n * w.nb + b, sizeof bits);
+    d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+  } else {
+    d2 = _mm_setr_ps(_cvtsh_ss(w.scale[n * w.nb + b * 32 / w.block]),
+                     _cvtsh_ss(w.scale[n * w.nb + (b + 1) * 32 / w.block]), 0.f, 0.f);
+  }
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d2));
+}
+
+// 64 unsigned weight bytes of pair p of row n, in the pair order above.
+template <bool Q4>
+inline __m512i PairWeights(const Work& w, int64_t n, int64_t p) {
+  if constexpr (Q4) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        static_cast<const uint8_t*>(w.q) + n * (w.K / 2) + p * 32));
+    const __m256i m = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  } else {
+    const __m512i order = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
+    const __m512i raw = _mm512_loadu_si512(static_cast<const int8_t*>(w.q) + n * w.K + p * 64);
+    return _mm512_xor_si512(_mm512_permutexvar_epi64(order, raw), _mm512_set1_epi8(-128));
+  }
+}
+
+template <bool Q4>
+inline __m256i TailWeights(const Work& w, int64_t n, int64_t b) {
+  if constexpr (Q4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const uint8_t*>(w.q) + n * (w.K / 2) + b * 16));
+    const __m128i m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        static_cast<const int8_t*>(w.q) + n * w.K + b * 32));
+    return _mm256_xor_si256(raw, _mm256_set1_epi8(-128));
+  }
+}
+
+// I = 256 * <w, hi> + <w, lo> per lane (the q8 offset removed).
+template <bool Q4>
+inline __m512i PairDot(__m512i wq, const int8_t* xp, const int32_t* corr) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i t = _mm512_dpbusd_epi32(zero, wq, _mm512_loadu_si512(xp));
+  t = _mm512_slli_epi32(t, 8);
+  t = _mm512_dpbusd_epi32(t, wq, _mm512_loadu_si512(xp + 64));
+  if constexpr (!Q4) t = _mm512_sub_epi32(t, _mm512_loadu_si512(corr));
+  return t;
+}
+
+inline int32_t HSumI(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The odd last block of weight row n against x row `row` (256-bit, natural order).
+template <bool Q4>
+inline float TailDot(const Work& w, const QuantX& xq, int64_t n, int64_t row) {
+  const int64_t b = xq.nb - 1, lane0 = row * xq.row_lanes + xq.npair * kPairLanes;
+  const int8_t* xp = xq.q.data() + row * xq.row_bytes + xq.npair * kPairBytes;
+  const __m256i wq = TailWeights<Q4>(w, n, b);
+  __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq,
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
+  t = _mm256_slli_epi32(t, 8);
+  t = _mm256_dpbusd_epi32(t, wq, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
+  int32_t total = HSumI(t);
+  if constexpr (!Q4) total -= xq.corr[lane0];
+  const float dw = _cvtsh_ss(w.scale[n * w.nb + b * 32 / w.block]);
+  return dw * xq.dl[lane0] * static_cast<float>(total);
+}
+
+// q4's offset term: sum over blocks of min_b * sum(x_b) (x quantized).
+inline float MinTerm(const Work& w, const QuantX& xq, int64_t n, int64_t row) {
+  const uint16_t* mn = w.mn + n * w.nb;
+  const float* xs = xq.xs.data() + row * xq.nb;
+  __m512 acc = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 16 <= w.nb; b += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b));
+    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(h), _mm512_loadu_ps(xs + b), acc);
+  }
+  float s = _mm512_reduce_add_ps(acc);
+  for (; b < w.nb; ++b) s += _cvtsh_ss(mn[b]) * xs[b];
+  return s;
+}
+
+// y[r0:r0+RT, n0:n0+NT] over the whole K with the integer dot products.
+template <bool Q4, int NT, int RT>
+void IntTile(const Work& w, const QuantX& xq, int64_t n0, int64_t r0) {
+  __m512 acc[NT][RT];
+  for (int i = 0; i < NT; ++i)
+    for (int r = 0; r < RT; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < xq.npair; ++p) {
+    for (int i = 0; i < NT; ++i) {
+      if (kPrefetch) _mm_prefetch(static_cast<const char*>(w.q) + (n0 + NT + i) * (Q4 ? w.K / 2 : w.K) +
+                       p * (Q4 ? 32 : 64), _MM_HINT_T0);
+      const __m512i wq = PairWeights<Q4>(w, n0 + i, p);
+      const __m512 dw = PairScales(w, n0 + i, 2 * p);
+      for (int r = 0; r < RT; ++r) {
+        const int64_t row = r0 + r;
+        const __m512i t = PairDot<Q4>(wq, xq.q.data() + row * xq.row_bytes + p * kPairBytes,
+                                      xq.corr.data() + row * xq.row_lanes + p * kPairLanes);
+        const __m512 s = _mm512_mul_ps(dw, _mm512_loadu_ps(xq.dl.data() + row * xq.row_lanes + p * kPairLanes));
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NT; ++i) {
+    for (int r = 0; r < RT; ++r) {
+      const int64_t n = n0 + i, row = r0 + r;
+      float y = _mm512_reduce_add_ps(acc[i][r]);
+      if (xq.tail) y += TailDot<Q4>(w, xq, n, row);
+      if constexpr (Q4) y += MinTerm(w, xq, n, row);
+      w.y[row * w.N + n] = y;
+    }
+  }
+}
+
+template <bool Q4>
+void RunInt(const Work& w, int64_t n0, int64_t n1) {
+  const QuantX& xq = *static_cast<const QuantX*>(w.xq);
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    int64_t r = 0;
+    for (; r + 2 <= w.M; r += 2) IntTile<Q4, 4, 2>(w, xq, n, r);
+    if (r < w.M) IntTile<Q4, 4, 1>(w, xq, n, r);
+  }
+  for (; n < n1; ++n) {
+    for (int64_t r = 0; r < w.M; ++r) IntTile<Q4, 1, 1>(w, xq, n, r);
+  }
+}
+#endif  // integer dot products
