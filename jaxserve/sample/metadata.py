@@ -107,6 +107,21 @@ def _filled(shape: tuple[int, int], written: bool) -> np.ndarray:
     return np.full(shape, -1, np.int32) if written else constant_array(shape, -1, "int32")
 
 
+def _suppress_and_bias(live: list[SamplingRow], S: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """suppress_ids i32[S, SUPPRESS_WIDTH] (-1), logit_bias_ids i32 / values f32
+    [S, MAX_LOGIT_BIAS] (0): fresh arrays when some row is under min_tokens / has a
+    logit_bias, else the shared constants that stay on the device (150 KiB a step at 64
+    rows otherwise)."""
+    suppress = _filled((S, SUPPRESS_WIDTH), any(
+        len(r.output_token_ids) < r.params.min_tokens for r in live))
+    if any(r.params.logit_bias for r in live):
+        return (suppress, np.zeros((S, MAX_LOGIT_BIAS), np.int32),
+                np.zeros((S, MAX_LOGIT_BIAS), np.float32))
+    return (suppress, constant_array((S, MAX_LOGIT_BIAS), 0, "int32"),
+            constant_array((S, MAX_LOGIT_BIAS), 0, "float32"))
+
+
 def _fill_token_lists(i: int, row: SamplingRow, max_model_len: int, history: np.ndarray,
                       prompt_lens: np.ndarray, suppress: np.ndarray, bias_ids: np.ndarray,
                       bias_values: np.ndarray) -> None:
@@ -180,16 +195,7 @@ def make_sampling_metadata(
     live = [r for r in rows if r is not None]
     history = _filled((S, max_model_len), any(_uses_penalties(r.params) for r in live))
     prompt_lens = np.zeros(S, np.int32)
-    # Rows under min_tokens / with logit_bias write these; with none, the shared constants
-    # stay on the device (150 KiB a step at 64 rows otherwise).
-    suppress = _filled((S, SUPPRESS_WIDTH), any(
-        len(r.output_token_ids) < r.params.min_tokens for r in live))
-    if any(r.params.logit_bias for r in live):
-        bias_ids = np.zeros((S, MAX_LOGIT_BIAS), np.int32)
-        bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
-    else:
-        bias_ids = constant_array((S, MAX_LOGIT_BIAS), 0, "int32")
-        bias_values = constant_array((S, MAX_LOGIT_BIAS), 0, "float32")
+    suppress, bias_ids, bias_values = _suppress_and_bias(live, S)
     bitmask = _filled((S, 0 if vocab_size is None else (vocab_size + 31) // 32),
                       any(r.allowed is not None for r in live))
     for i, row in enumerate(rows):
