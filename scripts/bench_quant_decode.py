@@ -9,6 +9,9 @@ the machine.
 
   PYTHONPATH=. .venv/bin/python scripts/bench_quant_decode.py \
       --model=checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf --quantization=none,auto
+
+--fp32_native=off,default also compares, per quantization, the native CPU float head off
+(`linear.HEAD_NATIVE_MAX_ROWS = 0`) and as shipped (notes/issue26_fp32.md).
 """
 
 from __future__ import annotations
@@ -49,6 +52,19 @@ def run(model: str, quantization: str, max_tokens: int, prompt: str, reps: int) 
     return best + (nbytes, build)
 
 
+def _run_native(a, quantization: str, fp32_native: str) -> tuple:
+    """`run` with the native float head off ("off") or as shipped ("default")."""
+    from jaxserve.model import linear
+
+    saved = linear.HEAD_NATIVE_MAX_ROWS
+    if fp32_native == "off":
+        linear.HEAD_NATIVE_MAX_ROWS = 0  # read when the programs are traced (warm-up)
+    try:
+        return run(a.model, quantization, a.max_tokens, a.prompt, a.reps)
+    finally:
+        linear.HEAD_NATIVE_MAX_ROWS = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -56,11 +72,12 @@ def main() -> None:
     ap.add_argument("--max_tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompt", default="Write a long story about a lighthouse keeper.")
+    ap.add_argument("--fp32_native", default="default", help="off,default: the float head")
     a = ap.parse_args()
     print("load before:", os.getloadavg(), flush=True)
     first = None
-    for q in a.quantization.split(","):
-        rate, ttft, toks, nbytes, build = run(a.model, q, a.max_tokens, a.prompt, a.reps)
+    for q in [f"{q}/{n}" for q in a.quantization.split(",") for n in a.fp32_native.split(",")]:
+        rate, ttft, toks, nbytes, build = _run_native(a, *q.split("/"))
         agree = "" if first is None else \
             f" greedy agreement with {first[0]}: {next((i for i, (x, y) in enumerate(zip(toks, first[1])) if x != y), len(toks))}/{len(toks)} tokens"
         first = first or (q, toks)

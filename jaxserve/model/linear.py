@@ -7,7 +7,10 @@ fly product for a `jaxserve.model.quant.QuantizedWeight` (stored [N, K]):
   - elsewhere (GPU, TPU, large-M prefill on CPU, or no compiler) a mixed-precision
     `dot_general` over the in-graph dequantization, which XLA:GPU fuses into the GEMM's
     operand read (check with `jaxserve compile --target=h200`).
-`embed_rows` gathers embedding rows, `head_matrix_product` is the LM head.
+`embed_rows` gathers embedding rows, `head_matrix_product` is the LM head: a tied fp32
+head on CPU at <= HEAD_NATIVE_MAX_ROWS rows goes to the native float kernel
+(`native_fmatmul`, layout "nk" over the embedding), as does a float layer matrix at
+<= FLOAT_NATIVE_MAX_ROWS rows (layout "kn"; 0 = off, notes/issue26_fp32.md).
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model import native_qmatmul
+from jaxserve.model import native_fmatmul, native_qmatmul
 from jaxserve.model.quant import QuantizedWeight
 
 # Rows up to which the CPU path uses the native kernel (decode steps); above it XLA's
 # large-M GEMM on the dequantized tile wins (notes/issue26.md).
 NATIVE_MAX_ROWS = 64
+# Rows up to which a tied fp32 LM head uses the native float kernel on CPU (XLA runs the
+# one-row [1, 576] @ [576, 49152] at 13-19 GB/s; notes/issue26_fp32.md), and the same for
+# the layers' float matrices (0: off; measured no faster than XLA there).
+HEAD_NATIVE_MAX_ROWS = 4
+FLOAT_NATIVE_MAX_ROWS = 0
 
 
 def dequantize_jnp(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
@@ -67,11 +75,26 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, native: bool | None = 
     return jax.lax.platform_dependent(x, w, cpu=_native, default=_dequant_dot)
 
 
+def _native_float_fits(x: jax.Array, w: jax.Array, max_rows: int) -> bool:
+    return (x.ndim == 2 and w.ndim == 2 and x.shape[0] <= max_rows
+            and x.dtype == jnp.float32 and w.dtype == jnp.float32 and native_fmatmul.available())
+
+
+def float_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x f32[M, K] @ w f32[K, N] -> f32[M, N]: on CPU at M <= FLOAT_NATIVE_MAX_ROWS the native
+    "kn" kernel, otherwise (and on every other platform, chosen at lowering) XLA's dot."""
+    if not _native_float_fits(x, w, FLOAT_NATIVE_MAX_ROWS):
+        return x @ w
+    return jax.lax.platform_dependent(
+        x, w, cpu=lambda a, b: native_fmatmul.fmatmul(a, b, layout="kn"),
+        default=lambda a, b: a @ b)
+
+
 def linear(x: jax.Array, w) -> jax.Array:
     """x [M, K] times a canonical matrix: float w [K, N] (x @ w) or a QuantizedWeight [N, K]."""
     if isinstance(w, QuantizedWeight):
         return quantized_matmul(x, w)
-    return x @ w
+    return float_matmul(x, w)
 
 
 def embed_rows(embed, ids: jax.Array) -> jax.Array:
@@ -87,4 +110,19 @@ def head_matrix_product(hidden: jax.Array, w, *, tied: bool) -> jax.Array:
     untied the lm_head (float [E, V]; quantized, stored [V, E])."""
     if isinstance(w, QuantizedWeight):
         return quantized_matmul(hidden, w)
-    return hidden @ (w.T if tied else w)
+    if not tied:
+        return float_matmul(hidden, w)
+    if not _native_float_fits(hidden, w, HEAD_NATIVE_MAX_ROWS):
+        return _xla_tied_head(hidden, w)
+    return jax.lax.platform_dependent(
+        hidden, w, cpu=lambda h, e: native_fmatmul.fmatmul(h, e, layout="nk"),
+        default=_xla_tied_head)
+
+
+def _xla_tied_head(hidden: jax.Array, embed: jax.Array) -> jax.Array:
+    """hidden [S, E] @ embed[V, E]^T by XLA. One row is padded to two: XLA:CPU lowers a
+    one-row dot to a single-threaded loop (14 ms for [49152, 576] vs 6 ms for two rows,
+    notes/perf.md)."""
+    if hidden.shape[0] == 1:
+        return (jnp.pad(hidden, ((0, 1), (0, 0))) @ embed.T)[:1]
+    return hidden @ embed.T

@@ -387,20 +387,17 @@ def embed_tokens(cfg: ModelConfig, embed: jax.Array, input_ids: jax.Array) -> ja
 
 
 def compute_logits(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
-    """hidden [S, E] -> f32[S, V] (tied embeddings reuse embed.T; quantized heads go
-    through `model.linear`, whose native CPU kernel has no one-row penalty); with
+    """hidden [S, E] -> f32[S, V] through `model.linear.head_matrix_product` (tied
+    embeddings reuse embed [V, E]; on CPU a tied fp32 or a quantized head at few rows runs a
+    native kernel with no one-row penalty); with
     cfg.final_logit_softcapping c, c * tanh(logits / c) (Gemma 2)."""
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    if isinstance(w, QuantizedWeight):
-        logits = head_matrix_product(hidden, w, tied=cfg.tie_word_embeddings).astype(jnp.float32)
-    elif hidden.shape[0] == 1:
-        # XLA:CPU lowers a one-row dot to a single-threaded loop: 14 ms for the tied
-        # [49152, 576] head vs 6 ms for two rows (notes/perf.md). Pad to two rows.
-        w = w.T if cfg.tie_word_embeddings else w
-        logits = (jnp.pad(hidden, ((0, 1), (0, 0))) @ w)[:1].astype(jnp.float32)
+    if not isinstance(w, QuantizedWeight) and not cfg.tie_word_embeddings and hidden.shape[0] == 1:
+        # XLA:CPU lowers a one-row dot to a single-threaded loop (notes/perf.md): pad to two.
+        logits = head_matrix_product(jnp.pad(hidden, ((0, 1), (0, 0))), w, tied=False)[:1]
     else:
-        w = w.T if cfg.tie_word_embeddings else w
-        logits = (hidden @ w).astype(jnp.float32)
+        logits = head_matrix_product(hidden, w, tied=cfg.tie_word_embeddings)
+    logits = logits.astype(jnp.float32)
     cap = cfg.final_logit_softcapping
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 

@@ -159,6 +159,10 @@ def _static_parts() -> dict:
     from jaxserve.model import native_qmatmul  # whether quantized matmuls used the native kernel
 
     parts["native_cpu_qmatmul"] = native_qmatmul.status()
+    from jaxserve.model import linear, native_fmatmul  # whether float matmuls used the kernel
+
+    parts["native_cpu_fmatmul"] = (f"{native_fmatmul.status()} head<={linear.HEAD_NATIVE_MAX_ROWS}"
+                                   f" layers<={linear.FLOAT_NATIVE_MAX_ROWS}")
     return parts
 
 
