@@ -101,3 +101,23 @@ def test_native_decode_rejects_mixed_cache_dtypes():
         native_cpu.paged_decode(jnp.ones((1, 2, 3, 8)), jnp.ones((1,), jnp.int32),
                                 jnp.ones((1, 1), jnp.int32), kc, kc.astype(jnp.float32), 0,
                                 sm_scale=1.0, chunk_pages=1)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_pallas_triton_reads_16bit_caches(dtype):
+    # The Triton kernel (Pallas interpreter) upcasts the rows it loads to q's dtype.
+    from jaxserve.attention.pallas_triton import PallasTritonBackend
+    be = PallasTritonBackend(block_size=16, num_queries_per_kv=3, head_dim=16, interpret=True)
+    batch = random_batch(np.random.default_rng(29), q_lens=[1, 19, 3], seq_lens=[40, 19, 17],
+                         num_tokens=32, num_seqs=4, max_blocks_per_seq=4, num_kv_blocks=12,
+                         block_size=16, num_heads=6, num_kv_heads=2, head_dim=16)
+    _check(be, batch, dtype, target=None)
+
+
+def test_pallas_mosaic_refuses_a_cache_not_in_the_model_dtype():
+    from jaxserve.attention.pallas_mosaic import PallasMosaicBackend
+    be = PallasMosaicBackend(block_size=16, num_queries_per_kv=3, head_dim=64, dtype="float32",
+                             interpret=True)
+    kc = jnp.zeros((2, 16, 2, 64), jnp.float16)
+    with pytest.raises(ValueError, match="kv_cache_dtype=float16"):
+        be.attention(jnp.zeros((8, 6, 64)), kc, kc, None, layer=None, sm_scale=1.0)
