@@ -1,0 +1,118 @@
+"""Decode speed with a float32 vs a float16 / bfloat16 KV cache (`--kv_cache_dtype`, issue 26),
+side by side in one process.
+
+    .venv/bin/python scripts/bench_kv_dtype.py [--prompt_len=1500] [--max_tokens=64] [--rounds=3]
+
+1. The native CPU decode-attention kernel alone (`native_cpu.paged_decode`): one slot at
+   `prompt_len` keys in SmolLM2's geometry (K 3, G 3, D 64), all 30 layers of a stacked
+   cache, per dtype: ms per call and the KV bytes it reads.
+2. One request decoding alone on SmolLM2 (the shipped Q4_1 file, its blocks kept) after a
+   `prompt_len`-token prompt: decode tok/s per KV dtype, engines alternated round by round.
+The load average is printed with the numbers (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+
+def bench_kernel(prompt_len: int, dtypes: list[str], reps: int = 50) -> None:
+    """ms per native decode-attention call over every layer, per cache dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.attention import native_cpu
+
+    L, B, K, G, D = 30, 16, 3, 3, 64
+    pages = -(-prompt_len // B)
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((L, pages + 1, B, K, D)).astype(np.float32)
+    q = jnp.asarray(rng.standard_normal((1, K, G, D)), jnp.float32)
+    kv_len = jnp.asarray([prompt_len], jnp.int32)
+    table = jnp.asarray(rng.permutation(np.arange(1, pages + 1))[None], jnp.int32)
+    caches = {d: jnp.asarray(base, d) for d in dtypes}
+
+    @jax.jit
+    def all_layers(q, kc, vc):
+        return sum(native_cpu.paged_decode(q, kv_len, table, kc, vc, layer, sm_scale=0.125,
+                                           chunk_pages=16) for layer in range(L))
+    times = {d: [] for d in dtypes}
+    for d in dtypes:
+        all_layers(q, caches[d], caches[d]).block_until_ready()
+    for _ in range(reps):
+        for d in dtypes:  # interleaved: the same load for each
+            t = time.perf_counter()
+            all_layers(q, caches[d], caches[d]).block_until_ready()
+            times[d].append(time.perf_counter() - t)
+    for d in dtypes:
+        nbytes = 2 * L * prompt_len * K * D * jnp.dtype(d).itemsize
+        ms = statistics.median(times[d]) * 1e3
+        print(f"kernel {d:9s} {L} layers x {prompt_len} keys: {ms:6.2f} ms/step "
+              f"({nbytes / 2**20:5.1f} MiB KV read, {nbytes / ms / 1e6:5.1f} GB/s) "
+              f"load {os.getloadavg()[0]:.2f}", flush=True)
+
+
+def bench_engine(prompt_len: int, max_tokens: int, rounds: int, dtypes: list[str]) -> None:
+    """Decode tok/s of one request after a prompt_len prompt, per KV dtype (alternated)."""
+    from jaxserve.checkpoint import load_model
+    from jaxserve.checkpoint.default import resolve_model_path
+    from jaxserve.engine import LLMEngine, make_engine_config
+    from jaxserve.sampling_params import SamplingParams
+
+    cfg, params, tok = load_model(resolve_model_path(None), dtype="float32",
+                                  quantization="auto", progress=False)
+    blocks = -(-(prompt_len + max_tokens) // 16) + 2
+    engines = {}
+    for d in dtypes:
+        config = make_engine_config(cfg, max_model_len=2048, block_size=16,
+                                    num_kv_blocks=blocks, max_num_seqs=1,
+                                    max_num_batched_tokens=256, token_buckets=(1, 256),
+                                    seq_buckets=(1,), attention_backend="xla",
+                                    quantization="auto", kv_cache_dtype=d,
+                                    enable_prefix_caching=False, enable_prompt_logprobs=False)
+        engines[d] = LLMEngine(config, params, tok, model_name=d, progress=False)
+    prompt = [int(x) for x in np.random.default_rng(1).integers(100, 40000, prompt_len)]
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rates: dict[str, list[float]] = {d: [] for d in dtypes}
+    tokens: dict[str, list[int]] = {}
+    for r in range(rounds):
+        for d, eng in engines.items():
+            eng.add_request(f"r{r}", prompt, sp)
+            t_first, out = None, None
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if t_first is None and o.outputs[0].token_ids:
+                        t_first = time.perf_counter()
+                    out = o
+            n = len(out.outputs[0].token_ids) - 1
+            rates[d].append(n / (time.perf_counter() - t_first))
+            tokens[d] = out.outputs[0].token_ids
+    same = len({tuple(t) for t in tokens.values()}) == 1
+    for d in dtypes:
+        print(f"engine {d:9s} decode after {prompt_len} prompt tokens: "
+              f"{statistics.median(rates[d]):6.1f} tok/s (rounds {['%.1f' % x for x in rates[d]]}) "
+              f"load {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"greedy tokens equal across KV dtypes: {same}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompt_len", type=int, default=1500)
+    ap.add_argument("--max_tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtypes", default="float32,float16,bfloat16")
+    ap.add_argument("--skip_engine", action="store_true")
+    args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
+    bench_kernel(args.prompt_len, dtypes)
+    if not args.skip_engine:
+        bench_engine(args.prompt_len, args.max_tokens, args.rounds, dtypes)
+
+
+if __name__ == "__main__":
+    main()
