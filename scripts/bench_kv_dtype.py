@@ -21,8 +21,9 @@ import time
 import numpy as np
 
 
-def bench_kernel(prompt_len: int, dtypes: list[str], reps: int = 50) -> None:
-    """ms per native decode-attention call over every layer, per cache dtype."""
+def bench_kernel(prompt_len: int, dtypes: list[str], slots: int = 1, reps: int = 20) -> None:
+    """ms per native decode-attention call over every layer for `slots` rows of
+    prompt_len keys each, per cache dtype."""
     import jax
     import jax.numpy as jnp
 
@@ -31,10 +32,11 @@ def bench_kernel(prompt_len: int, dtypes: list[str], reps: int = 50) -> None:
     L, B, K, G, D = 30, 16, 3, 3, 64
     pages = -(-prompt_len // B)
     rng = np.random.default_rng(0)
-    base = rng.standard_normal((L, pages + 1, B, K, D)).astype(np.float32)
-    q = jnp.asarray(rng.standard_normal((1, K, G, D)), jnp.float32)
-    kv_len = jnp.asarray([prompt_len], jnp.int32)
-    table = jnp.asarray(rng.permutation(np.arange(1, pages + 1))[None], jnp.int32)
+    base = rng.standard_normal((L, slots * pages + 1, B, K, D)).astype(np.float32)
+    q = jnp.asarray(rng.standard_normal((slots, K, G, D)), jnp.float32)
+    kv_len = jnp.full((slots,), prompt_len, jnp.int32)
+    table = jnp.asarray(rng.permutation(np.arange(1, slots * pages + 1)).reshape(slots, pages),
+                        jnp.int32)
     caches = {d: jnp.asarray(base, d) for d in dtypes}
 
     @jax.jit
@@ -49,10 +51,11 @@ def bench_kernel(prompt_len: int, dtypes: list[str], reps: int = 50) -> None:
             t = time.perf_counter()
             all_layers(q, caches[d], caches[d]).block_until_ready()
             times[d].append(time.perf_counter() - t)
+    del base
     for d in dtypes:
-        nbytes = 2 * L * prompt_len * K * D * jnp.dtype(d).itemsize
+        nbytes = 2 * L * slots * prompt_len * K * D * jnp.dtype(d).itemsize
         ms = statistics.median(times[d]) * 1e3
-        print(f"kernel {d:9s} {L} layers x {prompt_len} keys: {ms:6.2f} ms/step "
+        print(f"kernel {d:9s} {L} layers x {slots} slots x {prompt_len} keys: {ms:7.2f} ms/step "
               f"({nbytes / 2**20:5.1f} MiB KV read, {nbytes / ms / 1e6:5.1f} GB/s) "
               f"load {os.getloadavg()[0]:.2f}", flush=True)
 
@@ -107,9 +110,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,float16,bfloat16")
     ap.add_argument("--skip_engine", action="store_true")
+    ap.add_argument("--slots", default="1,16", help="decode rows of the kernel-only runs")
     args = ap.parse_args()
     dtypes = args.dtypes.split(",")
-    bench_kernel(args.prompt_len, dtypes)
+    for slots in map(int, args.slots.split(",")):
+        bench_kernel(args.prompt_len, dtypes, slots)
     if not args.skip_engine:
         bench_engine(args.prompt_len, args.max_tokens, args.rounds, dtypes)
 

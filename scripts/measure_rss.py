@@ -74,6 +74,10 @@ def main() -> None:
                     help="as `jaxserve serve --quantization` (default: full precision)")
     ap.add_argument("--kv_cache_dtype", default="auto",
                     help="as `jaxserve serve --kv_cache_dtype`: auto|float16|bfloat16|float32")
+    ap.add_argument("--touch_kv", action="store_true",
+                    help="after warm-up, write every page of the KV pool (zeros over zeros) "
+                         "so the whole pool is resident, as llama.cpp's cleared KV buffer is; "
+                         "without it only the pages requests wrote count")
     ap.add_argument("--compile_cache_dir", default="checkpoints/jax_compile_cache")
     ap.add_argument("--executable_cache_dir", default="checkpoints/executable_cache",
                     help="as `jaxserve serve` ('' off): a second run restores every program")
@@ -138,6 +142,15 @@ def main() -> None:
     stats = engine.runner.stats()
     print(f"  programs built {stats.programs_built}, loaded {stats.programs_loaded}, restored "
           f"{stats.programs_restored}", flush=True)
+
+    def touch_kv():  # the pool is zero pages the kernel maps lazily until written
+        import ctypes
+
+        import jax
+        for a in jax.tree.leaves(engine.runner.kv_cache):
+            ctypes.memset(a.unsafe_buffer_pointer(), 0, a.nbytes)
+    if args.touch_kv:
+        phase("touch every KV page", touch_kv)
 
     def serve():
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

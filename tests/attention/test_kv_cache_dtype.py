@@ -76,12 +76,15 @@ def test_jnp_paths_read_16bit_caches(dtype):
            target=None)
 
 
-def test_native_decode_odd_row_width_takes_the_scalar_tail():
-    # K * D = 3 * 5 = 15 elements per row: one 8-wide conversion and a 7-element scalar
-    # tail (exact for f16 subnormals too: the values below 6.1e-5 are f16 subnormals).
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_native_decode_odd_head_dim_takes_the_row_conversion_path(dtype):
+    # D = 5 (not a multiple of 8): the kernel's non-register path; K * D = 15 elements per
+    # row: one 8-wide conversion and a 7-element scalar tail (exact for f16 subnormals
+    # too: the keys below 6.1e-5 are f16 subnormals).
     rng = np.random.default_rng(3)
-    kc = (rng.standard_normal((1, 4, 16, 3, 5)) * 1e-4).astype(np.float16)
-    vc = rng.standard_normal((1, 4, 16, 3, 5)).astype(np.float16)
+    dt = DTYPES.get(dtype, np.float32)
+    kc = (rng.standard_normal((1, 4, 16, 3, 5)) * 1e-4).astype(dt)
+    vc = rng.standard_normal((1, 4, 16, 3, 5)).astype(dt)
     q = rng.standard_normal((2, 3, 2, 5)).astype(np.float32) * 1e4
     kv_len, pages = np.array([37, 5], np.int32), np.array([[2, 1, 3], [3, 0, 0]], np.int32)
     out = np.asarray(native_cpu.paged_decode(q, kv_len, pages, kc, vc, 0, sm_scale=0.5,
