@@ -60,8 +60,11 @@ def bench_kernel(prompt_len: int, dtypes: list[str], slots: int = 1, reps: int =
               f"load {os.getloadavg()[0]:.2f}", flush=True)
 
 
-def bench_engine(prompt_len: int, max_tokens: int, rounds: int, dtypes: list[str]) -> None:
-    """Decode tok/s of one request after a prompt_len prompt, per KV dtype (alternated)."""
+def bench_engine(prompt_len: int, max_tokens: int, rounds: int, dtypes: list[str],
+                 batch: int = 1) -> None:
+    """Decode tok/s of `batch` requests after prompt_len prompts each, per KV dtype
+    (alternated round by round): output tokens after the step where every request has its
+    first one, over the time from that step to the end."""
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
@@ -69,35 +72,41 @@ def bench_engine(prompt_len: int, max_tokens: int, rounds: int, dtypes: list[str
 
     cfg, params, tok = load_model(resolve_model_path(None), dtype="float32",
                                   quantization="auto", progress=False)
-    blocks = -(-(prompt_len + max_tokens) // 16) + 2
+    blocks = batch * (-(-(prompt_len + max_tokens) // 16)) + 2
     engines = {}
     for d in dtypes:
         config = make_engine_config(cfg, max_model_len=2048, block_size=16,
-                                    num_kv_blocks=blocks, max_num_seqs=1,
-                                    max_num_batched_tokens=256, token_buckets=(1, 256),
-                                    seq_buckets=(1,), attention_backend="xla",
+                                    num_kv_blocks=blocks, max_num_seqs=batch,
+                                    max_num_batched_tokens=256,
+                                    token_buckets=tuple(sorted({batch, 256})),
+                                    seq_buckets=(batch,), attention_backend="xla",
                                     quantization="auto", kv_cache_dtype=d,
                                     enable_prefix_caching=False, enable_prompt_logprobs=False)
         engines[d] = LLMEngine(config, params, tok, model_name=d, progress=False)
-    prompt = [int(x) for x in np.random.default_rng(1).integers(100, 40000, prompt_len)]
+    prompts = [[int(x) for x in np.random.default_rng(1 + i).integers(100, 40000, prompt_len)]
+               for i in range(batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rates: dict[str, list[float]] = {d: [] for d in dtypes}
     tokens: dict[str, list[int]] = {}
     for r in range(rounds):
         for d, eng in engines.items():
-            eng.add_request(f"r{r}", prompt, sp)
-            t_first, out = None, None
+            for i, p in enumerate(prompts):
+                eng.add_request(f"r{r}.{i}", p, sp)
+            t_first, last, started = None, {}, set()
             while eng.has_unfinished_requests():
                 for o in eng.step():
-                    if t_first is None and o.outputs[0].token_ids:
-                        t_first = time.perf_counter()
-                    out = o
-            n = len(out.outputs[0].token_ids) - 1
+                    last[o.request_id] = o
+                    if o.outputs[0].token_ids:
+                        started.add(o.request_id)
+                if t_first is None and len(started) == batch:
+                    t_first = time.perf_counter()
+                    n0 = sum(len(o.outputs[0].token_ids) for o in last.values())
+            n = sum(len(o.outputs[0].token_ids) for o in last.values()) - n0
             rates[d].append(n / (time.perf_counter() - t_first))
-            tokens[d] = out.outputs[0].token_ids
-    same = len({tuple(t) for t in tokens.values()}) == 1
+            tokens[d] = [last[f"r{r}.{i}"].outputs[0].token_ids for i in range(batch)]
+    same = len({str(t) for t in tokens.values()}) == 1
     for d in dtypes:
-        print(f"engine {d:9s} decode after {prompt_len} prompt tokens: "
+        print(f"engine {d:9s} {batch} request(s) decoding after {prompt_len} prompt tokens: "
               f"{statistics.median(rates[d]):6.1f} tok/s (rounds {['%.1f' % x for x in rates[d]]}) "
               f"load {os.getloadavg()[0]:.2f}", flush=True)
     print(f"greedy tokens equal across KV dtypes: {same}")
@@ -110,13 +119,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,float16,bfloat16")
     ap.add_argument("--skip_engine", action="store_true")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     ap.add_argument("--slots", default="1,16", help="decode rows of the kernel-only runs")
     args = ap.parse_args()
     dtypes = args.dtypes.split(",")
     for slots in map(int, args.slots.split(",")):
         bench_kernel(args.prompt_len, dtypes, slots)
     if not args.skip_engine:
-        bench_engine(args.prompt_len, args.max_tokens, args.rounds, dtypes)
+        bench_engine(args.prompt_len, args.max_tokens, args.rounds, dtypes, args.batch)
 
 
 if __name__ == "__main__":

@@ -42,5 +42,5 @@ def describe_capacity(config: EngineConfig, num_kv_blocks: int) -> str:
     mib = num_kv_blocks * kv_bytes_per_block(config.model, config.cache.block_size,
                                              config.kv_dtype) / 2**20
     return (f"KV cache: {num_kv_blocks} blocks x {config.cache.block_size} tokens = {tokens} tokens "
-            f"({mib:.1f} MiB {config.kv_dtype}), {seqs:.1f} concurrent sequences of max_model_len="
+            f"({mib:.1f} MiB), {config.kv_dtype}, {seqs:.1f} concurrent sequences of max_model_len="
             f"{config.scheduler.max_model_len}")
