@@ -28,6 +28,9 @@ flags.DEFINE_enum("quantization", "auto", ["auto", "none", "int8", "q8_0", "q4"]
                   "Weight-only quantization (vLLM's flag): auto = the checkpoint's own (a GGUF "
                   "file's Q8_0/Q4_0/Q4_1 blocks stay quantized), none = full precision, "
                   "int8 (per-channel) / q8_0 / q4 quantize a float checkpoint at load.")
+flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "float16", "bfloat16", "float32"],
+                  "KV cache element type (vLLM's flag): auto = the model's dtype; float16 / "
+                  "bfloat16 hold twice the tokens of an fp32 model in the same memory.")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
 flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks (default: from --kv_cache_memory_mb).")
 flags.DEFINE_integer("kv_cache_memory_mb", 512, "KV pool memory budget in MiB when --num_kv_blocks is unset.")
@@ -143,6 +146,7 @@ def engine_args_from_flags() -> dict[str, Any]:
     """The engine keyword arguments named by the shared flags."""
     args: dict[str, Any] = dict(
         dtype=FLAGS.dtype, quantization=FLAGS.quantization, block_size=FLAGS.block_size,
+        kv_cache_dtype=FLAGS.kv_cache_dtype,
         max_num_seqs=FLAGS.max_num_seqs,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,

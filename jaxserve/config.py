@@ -16,6 +16,7 @@ from typing import Any, Literal
 _DTYPES = ("float32", "bfloat16")
 # --quantization values (vLLM's flag); jaxserve.model.quant.SCHEMES is this tuple.
 QUANTIZATION_SCHEMES = ("auto", "none", "int8", "q8_0", "q4")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")  # vLLM's kv_cache_dtype names
 
 
 def max_blocks_per_seq(max_model_len: int, block_size: int) -> int:
@@ -417,6 +418,11 @@ class EngineConfig:
     # new tokens (its first token and its last always at once); 1 is every token. Larger
     # values batch several tokens into one output (one SSE event) and cut host work.
     stream_interval: int = 1
+    # vLLM's kv_cache_dtype (issue 26): the KV cache's element type. "auto" is the model's
+    # dtype; "float16" / "bfloat16" halve an fp32 model's KV bytes (twice the tokens in
+    # kv_cache_memory_bytes, half the bytes a decode step reads). K and V are cast to it
+    # when written and read back as f32 for the attention math.
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
 
     def __post_init__(self):
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
@@ -435,6 +441,9 @@ class EngineConfig:
         _require(self.quantization in QUANTIZATION_SCHEMES,
                  f"EngineConfig.quantization={self.quantization!r} must be one of "
                  f"{'|'.join(QUANTIZATION_SCHEMES)}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
+                 f"{'|'.join(KV_CACHE_DTYPES)}")
         _require(self.warmup in ("full", "progressive"),
                  f"EngineConfig.warmup={self.warmup!r} must be 'full' or 'progressive'")
         _require(self.attention_backend in ("auto", "xla", "pallas", "pallas_mosaic",
@@ -449,3 +458,9 @@ class EngineConfig:
         _require(self.logprobs_mode in ("raw_logprobs", "processed_logprobs"),
                  f"EngineConfig.logprobs_mode={self.logprobs_mode!r} must be "
                  f"raw_logprobs|processed_logprobs")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's dtype name ("float32" | "float16" | "bfloat16"): `kv_cache_dtype`,
+        or the model's dtype for "auto"."""
+        return self.model.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype

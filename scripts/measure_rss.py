@@ -1,7 +1,8 @@
 """Where the resident memory of `jaxserve serve` goes: VmRSS / VmHWM per start-up phase.
 
     .venv/bin/python scripts/measure_rss.py [--max_num_seqs=16] [--num_kv_blocks=737] \
-        [--requests=16 --max_tokens=64] [--executable_cache_dir=DIR]
+        [--requests=16 --max_tokens=64] [--executable_cache_dir=DIR] \
+        [--quantization=auto] [--kv_cache_dtype=float16]
 
 Runs the same start-up as `jaxserve serve` (`cli.build_engine`'s calls: compile
 cache, `load_model` from the params cache, `LLMEngine` with its warm-up) in
@@ -69,6 +70,14 @@ def main() -> None:
     ap.add_argument("--num_kv_blocks", type=int, default=737)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max_tokens", type=int, default=64)
+    ap.add_argument("--quantization", default=None,
+                    help="as `jaxserve serve --quantization` (default: full precision)")
+    ap.add_argument("--kv_cache_dtype", default="auto",
+                    help="as `jaxserve serve --kv_cache_dtype`: auto|float16|bfloat16|float32")
+    ap.add_argument("--touch_kv", action="store_true",
+                    help="after warm-up, write every page of the KV pool (zeros over zeros) "
+                         "so the whole pool is resident, as llama.cpp's cleared KV buffer is; "
+                         "without it only the pages requests wrote count")
     ap.add_argument("--compile_cache_dir", default="checkpoints/jax_compile_cache")
     ap.add_argument("--executable_cache_dir", default="checkpoints/executable_cache",
                     help="as `jaxserve serve` ('' off): a second run restores every program")
@@ -101,11 +110,14 @@ def main() -> None:
 
     enable_compilation_cache(args.compile_cache_dir)
     loaded = phase("load_model (params cache)",
-                   lambda: load_model(resolve_model_path(None), dtype="float32"))
+                   lambda: load_model(resolve_model_path(None), dtype="float32",
+                                      quantization=args.quantization))
     cfg, params, tok = loaded
     del loaded
     config = make_engine_config(cfg, max_num_seqs=args.max_num_seqs,
-                                num_kv_blocks=args.num_kv_blocks, block_size=16)
+                                num_kv_blocks=args.num_kv_blocks, block_size=16,
+                                quantization=args.quantization or "auto",
+                                kv_cache_dtype=args.kv_cache_dtype)
     holder = {"params": params}
     keep = params if args.keep_host_params else None
     del params
@@ -130,6 +142,15 @@ def main() -> None:
     stats = engine.runner.stats()
     print(f"  programs built {stats.programs_built}, loaded {stats.programs_loaded}, restored "
           f"{stats.programs_restored}", flush=True)
+
+    def touch_kv():  # the pool is zero pages the kernel maps lazily until written
+        import ctypes
+
+        import jax
+        for a in jax.tree.leaves(engine.runner.kv_cache):
+            ctypes.memset(a.unsafe_buffer_pointer(), 0, a.nbytes)
+    if args.touch_kv:
+        phase("touch every KV page", touch_kv)
 
     def serve():
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

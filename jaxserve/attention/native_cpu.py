@@ -7,7 +7,9 @@ module compiles `native/paged_decode.cc` (PagedAttention's page walk, Kwon et al
 2023, with flash-decoding's split over (slot, chunk of pages) tasks, Dao et al. 2023)
 into a shared library once per source / compiler / jaxlib / CPU, caches it under
 `$JAXSERVE_NATIVE_CACHE` (default `~/.cache/jaxserve/native`), and registers it as
-the FFI target `jaxserve_paged_decode_f32` for the CPU platform.
+one FFI target per KV cache dtype (`TARGETS`: f32, and the f16 / bf16 caches of
+`--kv_cache_dtype`, whose rows the kernel converts to f32 as it reads them) for the
+CPU platform.
 
 `available()` is False (with the reason in `unavailable_reason()`) when no C++
 compiler is found or the build fails; the backend then keeps the jnp path.
@@ -34,6 +36,11 @@ from jaxserve.attention.kernels.tiling import window_scalar
 log = logging.getLogger(__name__)
 
 TARGET = "jaxserve_paged_decode_f32"
+# {cache dtype name: (custom-call target, exported handler symbol)}
+TARGETS = {"float32": (TARGET, "JaxservePagedDecodeF32"),
+           "float16": ("jaxserve_paged_decode_f16", "JaxservePagedDecodeF16"),
+           "bfloat16": ("jaxserve_paged_decode_bf16", "JaxservePagedDecodeBF16")}
+CACHE_DTYPES = tuple(TARGETS)
 _SRC = Path(__file__).with_name("native") / "paged_decode.cc"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared",
           "-fPIC")
@@ -127,7 +134,7 @@ class NativeKernels:
         return self._state.get("reason")
 
 
-_KERNELS = NativeKernels(_SRC, "paged_decode", {TARGET: "JaxservePagedDecodeF32"},
+_KERNELS = NativeKernels(_SRC, "paged_decode", dict(TARGETS.values()),
                          "native CPU decode attention")
 available, status, unavailable_reason = (_KERNELS.available, _KERNELS.status,
                                          _KERNELS.unavailable_reason)
@@ -141,7 +148,8 @@ def paged_decode(q, kv_len, pages, k_cache, v_cache, layer, *, sm_scale: float,
       q: [S, K, G, D] queries (cast to f32), G query heads per KV head.
       kv_len: i32[S] keys of each slot (0: not a decode row -> output 0).
       pages: i32[S, P] each slot's page ids into the cache, in [0, N).
-      k_cache, v_cache: f32[L, N, B, K, D] stacked paged caches (one layer: L = 1).
+      k_cache, v_cache: [L, N, B, K, D] stacked paged caches (one layer: L = 1), both
+        float32, float16 or bfloat16 (`CACHE_DTYPES`); 16-bit rows are read as f32.
       layer: i32 scalar, the layer to read.
       sm_scale: softmax scale.
       chunk_pages: pages per (slot, chunk) task of the split over both cores.
@@ -153,15 +161,18 @@ def paged_decode(q, kv_len, pages, k_cache, v_cache, layer, *, sm_scale: float,
 
     Raises:
       RuntimeError: `available()` is False.
+      ValueError: the caches' dtypes differ or are not in `CACHE_DTYPES`.
       (At run time the call fails with an out-of-range error naming the value when
       kv_len exceeds P * B, a used page id is outside [0, N), or layer outside [0, L).)
     """
     if not available():
         raise RuntimeError(f"native CPU decode attention unavailable: {unavailable_reason()}")
-    if k_cache.dtype != jnp.float32 or v_cache.dtype != jnp.float32:
-        raise ValueError(f"paged_decode needs f32 caches, got {k_cache.dtype}/{v_cache.dtype}")
+    kdt = jnp.dtype(k_cache.dtype).name
+    if kdt != jnp.dtype(v_cache.dtype).name or kdt not in TARGETS:
+        raise ValueError(f"paged_decode needs k and v caches of one dtype in {CACHE_DTYPES}, "
+                         f"got {k_cache.dtype}/{v_cache.dtype}")
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(
+    return jax.ffi.ffi_call(TARGETS[kdt][0], out)(
         q.astype(jnp.float32), kv_len.astype(jnp.int32), pages.astype(jnp.int32), k_cache,
         v_cache, jnp.asarray(layer, jnp.int32).reshape(()), window_scalar(window),
         sm_scale=np.float32(sm_scale),

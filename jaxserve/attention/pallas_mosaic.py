@@ -122,7 +122,17 @@ class PallasMosaicBackend:
 
     def attention(self, q, k_cache, v_cache, md: MosaicMetadata, *, layer, sm_scale: float,
                   sliding_window=None):
-        """See `AttentionBackend.attention`. Raises ValueError when q does not fit the cache."""
+        """See `AttentionBackend.attention`.
+
+        Raises:
+          ValueError: q does not fit the cache, or the cache is not in q's dtype (a
+            `--kv_cache_dtype` other than the model's: the kernel's tiles and shared-memory
+            layouts are per dtype; the xla and pallas_triton backends read 16-bit caches).
+        """
+        if k_cache.dtype != q.dtype:
+            raise ValueError(f"attention backend 'pallas_mosaic' needs the KV cache in the "
+                             f"model dtype {q.dtype}, got kv_cache_dtype={k_cache.dtype}; use "
+                             f"--attention_backend=pallas_triton or xla")
         return rpm.ragged_paged_attention_mosaic(
             *tiled_kernel_args(q, k_cache, v_cache, md, layer, self.block_size),
             sm_scale=float(sm_scale), tiles=md.tiles, interpret=self.interpret,

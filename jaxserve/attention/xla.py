@@ -1,6 +1,6 @@
 """The "xla" attention backend: ragged paged attention in jnp (the CPU default).
 
-On CPU with f32 caches, decode rows go to a native XLA FFI kernel
+On CPU with f32, f16 or bf16 caches, decode rows go to a native XLA FFI kernel
 (`native_cpu.paged_decode`, `decode_impl="native"`): it reads each slot's pages in
 place on both cores, 2-7x faster per layer than the jnp decode path below, which
 stays for other platforms, other dtypes, a missing C++ compiler, and A/B
@@ -207,12 +207,14 @@ def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_p
     n, kh, m, d = q.shape
     ck = chunk_pages * kc.shape[2]
     j = jnp.arange(ck, dtype=jnp.int32)
+    dt = jnp.promote_types(jnp.promote_types(kc.dtype, vc.dtype), q.dtype)
 
     def body(c, state):
         pg = lax.dynamic_slice_in_dim(pages, c * chunk_pages, chunk_pages, axis=1)  # [n, cp]
-        # Gather straight from the stacked cache at `layer` (no per-layer copy).
-        k = _gather_pages(kc, layer, pg)  # [n, CK, K, D]
-        v = _gather_pages(vc, layer, pg)
+        # Gather straight from the stacked cache at `layer` (no per-layer copy); a 16-bit
+        # cache (--kv_cache_dtype) is upcast after the gather (bf16 + f16 -> f32).
+        k = _gather_pages(kc, layer, pg).astype(dt)  # [n, CK, K, D]
+        v = _gather_pages(vc, layer, pg).astype(dt)
         kpos = c * ck + j  # [CK]
         key_ok = (kpos[None, :] < kv_end[:, None]) & (kpos[None, :] >= kv_start)  # [n, CK]
         valid = ((kpos[None, None, :] <= row_pos[:, :, None])
@@ -232,6 +234,7 @@ def _flash_chunks(q, row_pos, kv_end, pages, kc, vc, layer, *, sm_scale, chunk_p
 
 def _decode_scores(q, k, v, sm_scale, multiply_sum):
     """Scores f32[W, K, G, CK] and the p -> p.v function of one batch of decode items."""
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)  # a 16-bit cache: f32 math
     if multiply_sum:
         s = jnp.sum(q[:, None] * k[:, :, :, None, :].astype(jnp.float32), -1)  # [W, CK, K, G]
         s = s.transpose(0, 2, 3, 1) * sm_scale  # [W, K, G, CK]
@@ -385,9 +388,10 @@ def _decode_online(q, kv_len, pages, kc, vc, layer, *, sm_scale, chunk_pages, ma
 
 
 def _use_native(kc, vc) -> bool:
-    """Whether the native kernel can serve this trace: CPU, f32 caches, and it builds."""
-    return (jax.default_backend() == "cpu" and kc.dtype == jnp.float32
-            and vc.dtype == jnp.float32 and native_cpu.available())
+    """Whether the native kernel can serve this trace: CPU, f32 / f16 / bf16 caches of one
+    dtype, and it builds."""
+    return (jax.default_backend() == "cpu" and kc.dtype == vc.dtype
+            and jnp.dtype(kc.dtype).name in native_cpu.CACHE_DTYPES and native_cpu.available())
 
 
 def _pad_pages(block_table, chunk_pages):

@@ -65,7 +65,8 @@ def memory_need(config: EngineConfig) -> dict[str, int]:
         return sum(count(v) if isinstance(v, dict) else int(np.prod(v)) for v in d.values())
 
     params = count(param_shapes(cfg)) * item
-    kv = resolve_num_kv_blocks(config) * kv_bytes_per_block(cfg, config.cache.block_size)
+    kv = resolve_num_kv_blocks(config) * kv_bytes_per_block(cfg, config.cache.block_size,
+                                                         config.kv_dtype)
     return {"params_bytes": -(-params // tp), "kv_cache_bytes": -(-kv // tp)}
 
 

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig, ModelConfig, max_blocks_per_seq
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
-    """Bytes of K plus V for one block across all layers."""
-    itemsize = jnp.dtype(cfg.dtype).itemsize
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype: str | None = None) -> int:
+    """Bytes of K plus V for one block across all layers, in `kv_dtype` (a dtype name,
+    `EngineConfig.kv_dtype`; None: the model's dtype)."""
+    itemsize = jnp.dtype(kv_dtype or cfg.dtype).itemsize
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
@@ -21,7 +22,7 @@ def resolve_num_kv_blocks(config: EngineConfig) -> int:
       ValueError: the budget cannot hold even one `max_model_len` sequence.
     """
     cache = config.cache
-    per_block = kv_bytes_per_block(config.model, cache.block_size)
+    per_block = kv_bytes_per_block(config.model, cache.block_size, config.kv_dtype)
     need = max_blocks_per_seq(config.scheduler.max_model_len, cache.block_size) + 1  # + null
     n = cache.num_kv_blocks
     if n is None:
@@ -38,7 +39,8 @@ def describe_capacity(config: EngineConfig, num_kv_blocks: int) -> str:
     """One line: KV capacity in blocks, tokens and max_model_len sequences."""
     tokens = (num_kv_blocks - 1) * config.cache.block_size
     seqs = tokens / config.scheduler.max_model_len
-    mib = num_kv_blocks * kv_bytes_per_block(config.model, config.cache.block_size) / 2**20
+    mib = num_kv_blocks * kv_bytes_per_block(config.model, config.cache.block_size,
+                                             config.kv_dtype) / 2**20
     return (f"KV cache: {num_kv_blocks} blocks x {config.cache.block_size} tokens = {tokens} tokens "
-            f"({mib:.1f} MiB), {seqs:.1f} concurrent sequences of max_model_len="
+            f"({mib:.1f} MiB), {config.kv_dtype}, {seqs:.1f} concurrent sequences of max_model_len="
             f"{config.scheduler.max_model_len}")

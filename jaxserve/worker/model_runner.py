@@ -84,7 +84,7 @@ class ModelRunner:
         GPU that is not here (nothing is executed then).
 
     The pool size N is `config.cache.num_kv_blocks`, or what
-    `kv_cache_memory_bytes` holds; the cache (`kv_cache`) is, in cfg.dtype, (L K
+    `kv_cache_memory_bytes` holds; the cache (`kv_cache`) is, in config.kv_dtype, (L K
     buffers, L V buffers) of [N, B, K, D] each with unrolled layers (layer-group
     programs), or 2 x [L, N, B, K, D] for the scan.
     With `config.tensor_parallel_size` > 1 params and cache are sharded over a
@@ -208,7 +208,7 @@ class ModelRunner:
         L = self.cfg.num_hidden_layers
         shape = (self.num_kv_blocks, self.block_size, self.model_cfg.num_key_value_heads,
                  self.cfg.head_dim)
-        dt = jnp.dtype(self.cfg.dtype)
+        dt = jnp.dtype(self.config.kv_dtype)  # --kv_cache_dtype; "auto": cfg.dtype
         if self.group is not None:
             return tuple(tuple(self.tp.zeros(shape, dt, self.tp.kv_layer_sharding)
                                for _ in range(L)) for _ in range(2))

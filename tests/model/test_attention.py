@@ -339,8 +339,9 @@ def test_xla_native_decode_matches_float64_reference(case, stacked, chunk_pages,
     _assert_matches_float64_reference(be, batch, stacked=stacked, want_custom_call=True)
 
 
-def test_xla_native_decode_falls_back_for_bf16_and_online():
-    # bf16 caches (or decode_impl="online") keep the jnp path: no custom call.
+def test_xla_native_decode_bf16_target_and_online_fallback():
+    # decode_impl="online" keeps the jnp path (no custom call); bf16 caches (issue 26's
+    # --kv_cache_dtype) go to the kernel's bf16 target, not the f32 one.
     q_lens, seq_lens, t_pad, s_pad, p = _engine_layout_case("decode_only")
     batch = random_batch(np.random.default_rng(19), q_lens=q_lens, seq_lens=seq_lens,
                          num_tokens=t_pad, num_seqs=s_pad, max_blocks_per_seq=p,
@@ -354,6 +355,7 @@ def test_xla_native_decode_falls_back_for_bf16_and_online():
     text = jax.jit(functools.partial(be.attention, layer=None, sm_scale=0.3)).lower(
         jnp.asarray(batch.q, jnp.bfloat16), kc, kc, md).as_text()
     assert native_cpu.TARGET not in text
+    assert native_cpu.TARGETS["bfloat16"][0] in text
 
 
 def test_native_paged_decode_rejects_out_of_range_pages_and_layer():

@@ -65,8 +65,8 @@ def _rpa_kernel(layer_ref,  # i32[1]
         kpos = c * chunk + j  # [CK] absolute key positions
         page = block_table_ref[seq, c * pages_per_chunk + j // block_size]  # [CK]
         rows = page * block_size + j % block_size  # [CK] row in the N*B axis
-        k = k_ref[layer, rows, kvh, :]  # [CK, D]
-        v = v_ref[layer, rows, kvh, :]  # [CK, D]
+        k = k_ref[layer, rows, kvh, :].astype(q.dtype)  # [CK, D]; a 16-bit cache upcast
+        v = v_ref[layer, rows, kvh, :].astype(q.dtype)  # [CK, D]
         s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * sm_scale
         key_ok = (kpos < kv_end) & (kpos >= kv_lo)  # [CK]; slots outside may hold NaN
         valid = ((kpos[None, :] <= row_pos[:, None]) & (kpos[None, :] > row_pos[:, None] - window)
