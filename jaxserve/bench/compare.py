@@ -187,7 +187,8 @@ _LLAMA_KV = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells"
 
 
 def parse_kv_log(text: str, engine: str) -> dict[str, float] | None:
-    """{'tokens', 'mib'} from a server log's KV line (jaxserve's engine log or llama_kv_cache's)."""
+    """{'tokens', 'mib'} from a server log's KV line; `engine`: an engine or configuration."""
+    engine = getattr(CONFIGS.get(engine), "engine", engine)  # "jaxserve gguf" -> "jaxserve"
     if engine == "jaxserve":
         m = _JS_KV.search(text)
         return {"tokens": int(m.group(3)), "mib": float(m.group(4))} if m else None

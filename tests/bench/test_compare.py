@@ -118,6 +118,9 @@ def test_parse_kv_logs():
     assert cmp.parse_kv_log(ll, "llama.cpp") == {"tokens": 11776, "mib": 517.5}
     assert cmp.parse_kv_log("nothing here", "jaxserve") is None
     assert cmp.parse_kv_log(js, "llama.cpp") is None
+    f16 = js.replace("MiB), ", "MiB), float16, ")  # the log names the KV dtype since issue 26
+    assert cmp.parse_kv_log(f16, "jaxserve gguf") == {"tokens": 11776, "mib": 518.2}
+    assert cmp.parse_kv_log(ll, "llama.cpp gguf") == {"tokens": 11776, "mib": 517.5}
 
 
 def test_parse_proc_status():
