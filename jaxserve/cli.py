@@ -181,6 +181,7 @@ def build_engine(auto_warmup: str = "full"):
     from jaxserve.checkpoint import load_model
     from jaxserve.checkpoint.default import resolve_model_path
     from jaxserve.engine import LLMEngine, make_engine_config
+    from jaxserve.engine.stats import freeze_gc_heap
     from jaxserve.worker.compile import enable_compilation_cache
     from jaxserve.distributed.tensor_parallel import OwnedHostParams, align_host_leaves
 
@@ -206,6 +207,7 @@ def build_engine(auto_warmup: str = "full"):
     release_host_memory()
     engine.runner.warmup()
     release_host_memory()
+    freeze_gc_heap()  # one engine a process: its start-up heap leaves the GC's scans
     add_lora_modules(engine, FLAGS.lora_modules)
     if FLAGS.num_processes > 1:  # the leader: each step is broadcast to the followers
         from jaxserve.distributed.multihost import Leader

@@ -343,7 +343,10 @@ class LLM:
         token is sampled at the end and dropped), and reports
         log_softmax(logits at position t - 1)[token t] for every completion token:
         the model's raw distribution, so at temperature 1 with no filtering these equal
-        the `token_logprobs` that `generate` reported for a sampled completion.
+        the `token_logprobs` that `generate` reported for a sampled completion, up to
+        the rounding of different step shapes (with quantized weights on a CPU with
+        AVX-512 VNNI, decode steps of <= 4 rows quantize activations to ~16 bits:
+        differences up to ~1e-3, notes/issue26_q4.md).
         Prompt positions may come from the prefix cache; completion positions never do.
 
         Args:

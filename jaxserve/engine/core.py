@@ -64,7 +64,10 @@ class LLMEngine:
       executable_cache_dir: where the default runner serializes its compiled programs
         (`jaxserve.worker.executable_cache`; None: off).
       freeze_gc: after warm-up, freeze the startup heap out of the cyclic GC's reach, once
-        per process (`jaxserve.engine.stats.freeze_gc_heap`, as vLLM does after warm-up).
+        per process (`jaxserve.engine.stats.freeze_gc_heap`, as vLLM does after warm-up in
+        its engine process). Off by default: frozen cyclic garbage is never collected, so
+        a process that builds and drops engines would keep the first one's memory;
+        `jaxserve serve` / `generate` freeze after their own warm-up.
 
     Raises:
       ValueError: neither params nor a runner, or bad EOS ids.
@@ -73,7 +76,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, params: Any = None, tokenizer: Any = None, *,
                  runner: Runner | None = None, model_name: str = "jaxserve", warmup: bool = True,
                  progress: bool = True, executable_cache_dir: str | None = None,
-                 freeze_gc: bool = True):
+                 freeze_gc: bool = False):
         self.bucket_policy = BucketPolicy.from_config(config.scheduler)
         if runner is None:
             if params is None:

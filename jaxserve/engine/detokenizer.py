@@ -163,9 +163,9 @@ class IncrementalDetokenizer:
         if not 0 <= t < self._vocab:
             raise ValueError(f"token id {t} outside [0, vocab_size={self._vocab})")
         self._ids.append(t)
-        chunk = self._stream.step(self._backend, t)
+        chunk = self._stream_step(t)
         if chunk is None:
-            if len(self._ids) - self._read_offset <= _MAX_PENDING:
+            if self._stream is not None and len(self._ids) - self._read_offset <= _MAX_PENDING:
                 return ""
             self._stream = None
             chunk = self._advance(force=False)
@@ -174,6 +174,19 @@ class IncrementalDetokenizer:
         self._text += chunk
         self._emitted = len(self._text)
         return chunk
+
+    def _stream_step(self, t: int) -> str | None:
+        """DecodeStream's chunk for id t (None: no text yet). If the stream raises (tokenizers'
+        "Invalid prefix" on a byte-fallback vocabulary whose decodes are not monotonic, vLLM
+        #17448; or a Rust panic, a BaseException) it is dropped: `_stream` becomes None and
+        the caller goes on with the window scheme from the ids already appended."""
+        try:
+            return self._stream.step(self._backend, t)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # noqa: BLE001 - pyo3's PanicException is a BaseException
+            self._stream = None
+            return None
 
     def _step_stream(self, new_token_ids: Sequence[int]) -> str:
         """Feed ids to the DecodeStream, keeping the window offsets as `_advance` would set
@@ -184,11 +197,11 @@ class IncrementalDetokenizer:
             if not 0 <= t < self._vocab:
                 raise ValueError(f"token id {t} outside [0, vocab_size={self._vocab})")
             self._ids.append(t)
-            chunk = self._stream.step(self._backend, t)
+            chunk = self._stream_step(t)
             if chunk is not None:
                 text += chunk
                 self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            elif len(self._ids) - self._read_offset > _MAX_PENDING:
+            elif self._stream is None or len(self._ids) - self._read_offset > _MAX_PENDING:
                 self._stream = None  # an invalid byte run: the window scheme from here on
                 self._ids.extend(int(i) for i in new_token_ids[k + 1:])
                 return text + self._advance(force=False)

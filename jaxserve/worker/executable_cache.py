@@ -156,11 +156,12 @@ def _static_parts() -> dict:
     from jaxserve.attention import native_cpu  # whether decode used the native kernel
 
     parts["native_cpu_decode"] = native_cpu.status()
-    from jaxserve.model import native_qmatmul  # whether quantized matmuls used the native kernel
+    from jaxserve.model import linear, native_fmatmul, native_qmatmul
 
+    if jax.default_backend() == "cpu":  # build + register now: a restored program is never
+        native_qmatmul.available()  # traced, so "not tried" would be the key and no handler
+        native_fmatmul.available()  # would be registered for its custom call
     parts["native_cpu_qmatmul"] = native_qmatmul.status()
-    from jaxserve.model import linear, native_fmatmul  # whether float matmuls used the kernel
-
     parts["native_cpu_fmatmul"] = (f"{native_fmatmul.status()} head<={linear.HEAD_NATIVE_MAX_ROWS}"
                                    f" layers<={linear.FLOAT_NATIVE_MAX_ROWS}")
     return parts

@@ -252,3 +252,34 @@ def test_real_smollm2_tokenizer():
     assert not any("\ufffd" in x for x in deltas)
     deltas, d, ups = _run(real, ids, SamplingParams(stop=["天气"]))
     assert d.output_text == "Hello 世界! 😀👍🏽 naïve café — 今天" and ups[-1].stop_string == "天气"
+
+
+class _FailingStream:
+    """A DecodeStream that raises on its n-th step, as tokenizers does with "Invalid prefix
+    encountered" on non-monotonic byte-fallback decodes (vLLM #17448)."""
+
+    def __init__(self, real, n):
+        self.real, self.n = real, n
+
+    def step(self, backend, t):
+        self.n -= 1
+        if self.n < 0:
+            raise Exception("Invalid prefix encountered")
+        return self.real.step(backend, t)
+
+
+@pytest.mark.parametrize("fail_at", [0, 3, 9])
+@pytest.mark.parametrize("one", [True, False])
+def test_a_failing_decode_stream_hands_over_to_the_window_scheme(tok, fail_at, one):
+    text = TEXTS[-2]
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, [], SamplingParams())
+    if d._stream is None:
+        pytest.skip("the window tokenizer has no DecodeStream")
+    d._stream = _FailingStream(d._stream, fail_at)
+    if one:  # the engine's fast path, then the finish
+        out = "".join(d.update_one(t) for t in ids) + d.update([], finished=True).delta_text
+    else:
+        out = "".join(d.update([t], finished=False).delta_text for t in ids)
+        out += d.update([], finished=True).delta_text
+    assert out == d.output_text == text and d._stream is None and "\ufffd" not in out
