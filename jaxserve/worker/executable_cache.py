@@ -158,9 +158,6 @@ def _static_parts() -> dict:
     parts["native_cpu_decode"] = native_cpu.status()
     from jaxserve.model import linear, native_fmatmul, native_qmatmul
 
-    if jax.default_backend() == "cpu":  # build + register now: a restored program is never
-        native_qmatmul.available()  # traced, so "not tried" would be the key and no handler
-        native_fmatmul.available()  # would be registered for its custom call
     parts["native_cpu_qmatmul"] = native_qmatmul.status()
     parts["native_cpu_fmatmul"] = (f"{native_fmatmul.status()} head<={linear.HEAD_NATIVE_MAX_ROWS}"
                                    f" layers<={linear.FLOAT_NATIVE_MAX_ROWS}")
@@ -226,6 +223,14 @@ class ExecutableCache:
     def __init__(self, directory: str | os.PathLike, *, max_bytes: int | None = DEFAULT_MAX_BYTES):
         self.dir = Path(directory)
         self.max_bytes = max_bytes
+        if jax.default_backend() == "cpu":
+            # Build and register the native matmul kernels now, on this thread, before any
+            # key is made: a restored program is never traced, so their status would read
+            # "not tried" in its key and no FFI handler would exist for its custom calls.
+            from jaxserve.model import native_fmatmul, native_qmatmul
+
+            native_qmatmul.available()
+            native_fmatmul.available()
 
     def path(self, parts: dict) -> Path:
         return self.dir / f"{parts['family']}_{parts['size']}_{_digest(parts)[:20]}{SUFFIX}"
