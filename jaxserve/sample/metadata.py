@@ -101,10 +101,11 @@ def constant_array(shape: tuple[int, ...], value: int, dtype: str) -> np.ndarray
     return a
 
 
-def _filled(shape: tuple[int, int], written: bool) -> np.ndarray:
-    """An i32 array of -1: a fresh one when some row will write into it, else the shared
+def _filled(shape: tuple[int, int], written: bool, value: int = -1,
+            dtype: str = "int32") -> np.ndarray:
+    """An array of `value`: a fresh one when some row will write into it, else the shared
     read-only `constant_array` (kept on the device by the runner)."""
-    return np.full(shape, -1, np.int32) if written else constant_array(shape, -1, "int32")
+    return np.full(shape, value, dtype) if written else constant_array(shape, value, dtype)
 
 
 def _suppress_and_bias(live: list[SamplingRow], S: int
@@ -115,11 +116,9 @@ def _suppress_and_bias(live: list[SamplingRow], S: int
     rows otherwise)."""
     suppress = _filled((S, SUPPRESS_WIDTH), any(
         len(r.output_token_ids) < r.params.min_tokens for r in live))
-    if any(r.params.logit_bias for r in live):
-        return (suppress, np.zeros((S, MAX_LOGIT_BIAS), np.int32),
-                np.zeros((S, MAX_LOGIT_BIAS), np.float32))
-    return (suppress, constant_array((S, MAX_LOGIT_BIAS), 0, "int32"),
-            constant_array((S, MAX_LOGIT_BIAS), 0, "float32"))
+    biased = any(r.params.logit_bias for r in live)
+    return (suppress, _filled((S, MAX_LOGIT_BIAS), biased, 0, "int32"),
+            _filled((S, MAX_LOGIT_BIAS), biased, 0, "float32"))
 
 
 def _fill_token_lists(i: int, row: SamplingRow, max_model_len: int, history: np.ndarray,
