@@ -305,13 +305,12 @@ class OutputProcessor:
         parents, completion, k = self._parents, self._completion, self.stream_interval
         for pid in dict.fromkeys(parent_ids):
             p = parents.get(pid)
-            if p is None or ((p.final_only or (k > 1 and p.sent and _fewer_than(p, k)))
-                             and not all(c.request.is_finished for c in p.children)):
+            if p is None:
                 continue
-            comps, finished = [], True
-            for c in p.children:
-                comps.append(completion(c))
-                finished = finished and c.request.is_finished
+            finished = all(c.request.is_finished for c in p.children)
+            if not finished and (p.final_only or (k > 1 and p.sent and _fewer_than(p, k))):
+                continue
+            comps = [completion(c) for c in p.children]
             if finished:
                 p.metrics.finished_time = time.monotonic()
                 self.pop(pid)
