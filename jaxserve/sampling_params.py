@@ -17,11 +17,12 @@ sorted (id, bias) pairs.
 grammar / json_object; a dict of those fields is accepted) constrains the output
 to a grammar (`jaxserve.structured_output`).
 
-`output_kind` (vLLM's `RequestOutputKind`): which steps return a `RequestOutput`.
-CUMULATIVE (the default) and DELTA return one every step the request progresses (each
-carries both the cumulative fields and the deltas, so the two are the same here);
-FINAL_ONLY returns only the finished output, and no per-step output is assembled
-(`LLM.generate` submits with it, as vLLM's does).
+`output_kind` (vLLM's `RequestOutputKind`): which steps return a `RequestOutput`, and
+what it holds. CUMULATIVE (the default) returns one every step the request progresses,
+with everything so far in `text` / `token_ids` / `logprobs` / `token_logprobs` and what
+is new in the `delta_*` fields; DELTA returns the same outputs with only what is new in
+those fields too (vLLM's meaning); FINAL_ONLY returns only the finished output, and no
+per-step output is assembled (`LLM.generate` submits with it, as vLLM's does).
 
 The rules live in `jaxserve.validation` (the one validator); construction
 runs the model-free ones, `LLMEngine.add_request` the model-dependent ones.
@@ -43,9 +44,12 @@ __all__ = ["MAX_N", "MAX_STOP_TOKEN_IDS", "RequestOutputKind", "SamplingParams"]
 class RequestOutputKind(enum.IntEnum):
     """Which steps give a request a `RequestOutput` (vLLM's enum, same values).
 
-    CUMULATIVE / DELTA: every step that adds a token (each output carries the cumulative
-    token ids, text and logprobs and the deltas since the last output). FINAL_ONLY: only
-    the finished output; the engine skips the per-step assembly.
+    CUMULATIVE: every step that adds a token; each output carries the cumulative token
+    ids, text and logprobs and the deltas since the last output. DELTA: the same steps,
+    with `text`, `token_ids`, `logprobs`, `token_logprobs` and `token_weight_versions`
+    holding only what is new since the last output (`cumulative_logprob` stays
+    cumulative). FINAL_ONLY: only the finished output; the engine skips the per-step
+    assembly.
     """
 
     CUMULATIVE = 0

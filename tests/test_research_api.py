@@ -186,7 +186,7 @@ def test_generate_assembles_only_final_outputs_and_stream_every_step(llm_a, monk
     built = []
     real = OutputProcessor._completion
     monkeypatch.setattr(OutputProcessor, "_completion",
-                        staticmethod(lambda c: built.append(c.index) or real(c)))
+                        staticmethod(lambda c, *a: built.append(c.index) or real(c, *a)))
     outs = llm_a.generate(list(PROMPTS), GREEDY, use_tqdm=False)
     assert len(built) == len(PROMPTS) and all(o.finished for o in outs)
     built.clear()

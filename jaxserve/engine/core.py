@@ -40,7 +40,7 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.scheduler.request import RequestStatus
 from jaxserve.worker.runner import (DoneStep, PendingStep, RowError, Runner,
                                     SampledToken)
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler
 
@@ -164,7 +164,7 @@ class LLMEngine:
         if not has_slot or (fut is not None and not fut.done()):  # held: `_admit_compiled`
             self.outputs.add(p)  # queues it once compiled and its adapter has a slot
             self.provenance.add(p.request_id, [c.request_id for c in p.children],
-                                self.weight_version)
+                                self.weight_version, delta=_is_delta(p))
             self._awaiting_grammar[p.request_id] = (p, fut)
             self.prompt_tokens_total += len(p.prompt_token_ids)
             return p.prompt_token_ids
@@ -191,7 +191,7 @@ class LLMEngine:
             raise
         if not tracked:
             self.provenance.add(p.request_id, [c.request_id for c in p.children],
-                                self.weight_version)
+                                self.weight_version, delta=_is_delta(p))
             self.outputs.add(p)
             self.prompt_tokens_total += len(p.prompt_token_ids)
 
@@ -486,3 +486,7 @@ class LLMEngine:
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges for metrics endpoints and benchmark summaries."""
         return engine_stats(self)
+
+
+def _is_delta(p: ProcessedRequest) -> bool:
+    return p.children[0].sampling_params.output_kind == RequestOutputKind.DELTA

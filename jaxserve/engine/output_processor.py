@@ -59,6 +59,7 @@ class _Child:
     delta_text: str = ""
     delta_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, float]] = field(default_factory=list)
+    final_sent: bool = False  # an output carrying this sample's finish has been collected
 
 
 @dataclass
@@ -88,12 +89,15 @@ class _Parent:
     metrics: RequestMetrics
     scores: _PromptScores | None = None
     final_only: bool = False  # RequestOutputKind.FINAL_ONLY: no output until finished
+    delta: bool = False  # RequestOutputKind.DELTA: the output fields hold the new part only
     sent: bool = False  # an output has been collected (stream_interval holds the next ones)
 
 
 def _fewer_than(p: _Parent, k: int) -> bool:
-    """No sample of `p` has k tokens since its last output."""
-    return all(len(c.delta_ids) < k for c in p.children)
+    """No sample of `p` has k tokens since its last output, and none has finished since
+    (a sample's finish is never held back by its siblings)."""
+    return all(len(c.delta_ids) < k and (c.final_sent or not c.request.is_finished)
+               for c in p.children)
 
 
 class OutputProcessor:
@@ -123,10 +127,11 @@ class OutputProcessor:
             lps = [] if req.sampling_params.logprobs is not None else None
             children.append(_Child(req, i, detok, lps))
             self._child_of[req.request_id] = (p.request_id, i)
-        final_only = p.children[0].sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
+        kind = p.children[0].sampling_params.output_kind
         self._parents[p.request_id] = _Parent(p.request_id, p.prompt, p.prompt_token_ids, children,
                                               RequestMetrics(p.arrival_time),
-                                              final_only=final_only)
+                                              final_only=kind == RequestOutputKind.FINAL_ONLY,
+                                              delta=kind == RequestOutputKind.DELTA)
         start = p.children[0].logprob_start
         if start is not None:
             P, k = len(p.prompt_token_ids), p.children[0].sampling_params.prompt_logprobs
@@ -236,7 +241,9 @@ class OutputProcessor:
             p.metrics.first_token_time = now
         if c.index == 0:
             p.metrics.token_times.append(now)
-        c.delta_ids.append(tok.token_id)
+        keep = not p.final_only  # a FINAL_ONLY sample's deltas are its whole output, made once
+        if keep:
+            c.delta_ids.append(tok.token_id)
         c.cumulative_logprob += tok.logprob
         c.token_logprobs.append(tok.logprob)
         if c.logprobs is not None:
@@ -244,23 +251,35 @@ class OutputProcessor:
             entry = {int(t): float(lp) for t, lp in zip(tok.top_ids[:k], tok.top_logprobs[:k])}
             entry[tok.token_id] = tok.logprob
             c.logprobs.append(entry)
-            c.delta_logprobs.append(entry)
-        req = c.request
-        if c.detok is not None and c.detok.plain and req.status is _RUNNING:
-            c.delta_text += c.detok.update_one(tok.token_id)  # the common case, inlined
-        elif c.detok is not None:
-            # FINISHED_STOPPED here means EOS or a stop token id (stop strings come below):
-            # that token's text is not output unless include_stop_str_in_output (vLLM).
-            upd = c.detok.update([tok.token_id], finished=req.is_finished,
-                                 stop_terminated=req.status == RequestStatus.FINISHED_STOPPED)
-            c.delta_text += upd.delta_text
-            if upd.stop_string is not None:
-                c.stop_reason = upd.stop_string
-                fin.by_stop_string.append(req)
-                if not req.is_finished:  # live until the engine applies `fin`: flush now
-                    c.delta_text += c.detok.update([], finished=True).delta_text
+            if keep:
+                c.delta_logprobs.append(entry)
+        req, d = c.request, c.detok
+        if d is not None:
+            if d.plain and req.status is _RUNNING:
+                text = d.update_one(tok.token_id)  # the common case, inlined
+            else:
+                text = self._stop_checked_text(c, tok, fin)
+            if keep:
+                c.delta_text += text
         if req.is_finished and c.stop_reason is None:
             c.stop_reason = req.stop_reason
+
+    @staticmethod
+    def _stop_checked_text(c: _Child, tok: SampledToken, fin: FinishRequests) -> str:
+        """The new text of `tok` through the detokenizer's full update (stop strings,
+        finishes); a stop string found finishes the request through `fin`."""
+        # FINISHED_STOPPED here means EOS or a stop token id (stop strings come below):
+        # that token's text is not output unless include_stop_str_in_output (vLLM).
+        req = c.request
+        upd = c.detok.update([tok.token_id], finished=req.is_finished,
+                             stop_terminated=req.status == RequestStatus.FINISHED_STOPPED)
+        text = upd.delta_text
+        if upd.stop_string is not None:
+            c.stop_reason = upd.stop_string
+            fin.by_stop_string.append(req)
+            if not req.is_finished:  # live until the engine applies `fin`: flush now
+                text += c.detok.update([], finished=True).delta_text
+        return text
 
     def advance_grammars(self, sampled: dict[str, SampledToken]
                          ) -> tuple[list[str], FinishRequests]:
@@ -310,7 +329,10 @@ class OutputProcessor:
             finished = all(c.request.is_finished for c in p.children)
             if not finished and (p.final_only or (k > 1 and p.sent and _fewer_than(p, k))):
                 continue
-            comps = [completion(c) for c in p.children]
+            if finished and p.final_only:
+                for c in p.children:
+                    _whole_output_as_delta(c)
+            comps = [completion(c, p.delta) for c in p.children]
             if finished:
                 p.metrics.finished_time = time.monotonic()
                 self.pop(pid)
@@ -325,17 +347,35 @@ class OutputProcessor:
         return outs
 
     @staticmethod
-    def _completion(c: _Child) -> CompletionOutput:
+    def _completion(c: _Child, delta: bool = False) -> CompletionOutput:
         # Every cumulative field is a snapshot made in O(1): the token and logprob lists are
         # append-only and the text an immutable str, so a `ListPrefix` (copied when read)
         # equals a copy made now. `snapshot` skips the dataclass's per-field setters.
-        ids, req, d, lps = c.request.output_token_ids, c.request, c.detok, c.logprobs
+        # RequestOutputKind.DELTA (vLLM's): text, token_ids, logprobs and token_logprobs
+        # hold only what is new since the last output (cumulative_logprob stays cumulative).
+        ids, req, d, lps, tlp = (c.request.output_token_ids, c.request, c.detok, c.logprobs,
+                                 c.token_logprobs)
+        if delta:
+            text, tids, lp = c.delta_text, c.delta_ids, c.delta_logprobs if lps is not None else None
+            tlp = tlp[len(tlp) - len(tids):]
+        else:
+            text = ListPrefix(d.text, d.num_emitted) if d is not None else ""
+            tids, tlp = ListPrefix(ids, len(ids)), ListPrefix(tlp, len(tlp))
+            lp = None if lps is None else ListPrefix(lps, len(lps))
         out = CompletionOutput.snapshot(
-            c.index, ListPrefix(d.text, d.num_emitted) if d is not None else "",
-            ListPrefix(ids, len(ids)), c.delta_text, c.delta_ids,
-            None if lps is None else ListPrefix(lps, len(lps)),
-            c.delta_logprobs if lps is not None else None,
-            ListPrefix(c.token_logprobs, len(c.token_logprobs)), c.cumulative_logprob,
+            c.index, text, tids, c.delta_text, c.delta_ids, lp,
+            c.delta_logprobs if lps is not None else None, tlp, c.cumulative_logprob,
             req.finish_reason, c.stop_reason, c.error)
         c.delta_text, c.delta_ids, c.delta_logprobs = "", [], []
+        if req.finish_reason is not None:
+            c.final_sent = True
         return out
+
+
+def _whole_output_as_delta(c: _Child) -> None:
+    """A finished FINAL_ONLY sample (whose deltas were not kept): its deltas become its
+    whole output, as the cumulative fields are."""
+    d, lps = c.detok, c.logprobs
+    c.delta_text = d.text[:d.num_emitted] if d is not None else ""
+    c.delta_ids = list(c.request.output_token_ids)
+    c.delta_logprobs = [] if lps is None else list(lps)

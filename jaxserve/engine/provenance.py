@@ -21,13 +21,18 @@ class WeightProvenance:
         self.versions: dict[str, list[int]] = {}
         self.started: dict[str, int] = {}
         self._children: dict[str, list[str]] = {}
+        self._sent: dict[str, int] = {}  # DELTA children: tokens already handed out
 
-    def add(self, request_id: str, child_ids: list[str], version: int) -> None:
-        """Start tracking a request added under weight `version`."""
+    def add(self, request_id: str, child_ids: list[str], version: int, *,
+            delta: bool = False) -> None:
+        """Start tracking a request added under weight `version` (`delta`: its outputs
+        are RequestOutputKind.DELTA, each completion holding only its new tokens)."""
         self.started[request_id] = version
         self._children[request_id] = list(child_ids)
         for cid in child_ids:
             self.versions[cid] = []
+            if delta:
+                self._sent[cid] = 0
 
     def record(self, child_ids: Iterable[str], version: int) -> None:
         """One token was sampled for each of `child_ids` under weight `version`."""
@@ -44,6 +49,7 @@ class WeightProvenance:
         self.started.pop(request_id, None)
         for cid in self._children.pop(request_id, ()):
             self.versions.pop(cid, None)
+            self._sent.pop(cid, None)
 
     def fill(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Set `token_weight_versions` on each completion (one int per token id);
@@ -57,8 +63,13 @@ class WeightProvenance:
             if kids is None:
                 continue
             for c in o.outputs:  # O(1): copied when read (`versions` lists only grow)
-                c.token_weight_versions = ListPrefix(self.versions[kids[c.index]],
-                                                     c.num_tokens)
+                cid = kids[c.index]
+                start = self._sent.get(cid)
+                if start is None:
+                    c.token_weight_versions = ListPrefix(self.versions[cid], c.num_tokens)
+                else:  # DELTA: the versions of this output's new tokens
+                    self._sent[cid] = end = start + c.num_tokens
+                    c.token_weight_versions = self.versions[cid][start:end]
             if o.finished:
                 self.drop(o.request_id)
         return outputs

@@ -152,3 +152,68 @@ def test_stream_interval_batches_tokens_into_fewer_outputs_with_the_same_result(
 def test_stream_interval_is_validated():
     with pytest.raises(ValueError, match="stream_interval=0 must be a positive int"):
         make_engine_config(ModelConfig.tiny(), stream_interval=0)
+
+
+def _steps(stream_interval: int = 1, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+           ) -> dict[str, list[tuple[int, object]]]:
+    """(step number, output) of each request: one greedy request with logprobs and one with
+    n = 2 and stop strings, so its samples finish at different steps."""
+    model = ModelConfig.tiny()
+    config = make_engine_config(model, max_model_len=64, block_size=4, num_kv_blocks=64,
+                                max_num_seqs=8, max_num_batched_tokens=32,
+                                stream_interval=stream_interval)
+    V = tiny_tokenizer().vocab_size
+    runner = FakeRunner.for_config(config, build_batches=True, token_fn=lambda req, pos:
+                                   default_token(req.request_id, pos, vocab_size=V))
+    eng = LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False)
+    eng.add_request("x", "hello world", SamplingParams(max_tokens=11, ignore_eos=True,
+                                                       logprobs=1, output_kind=kind))
+    eng.add_request("y", "abc", SamplingParams(n=2, max_tokens=13, ignore_eos=True,
+                                                stop=["u", "x"], logprobs=0, output_kind=kind))
+    seen: dict[str, list] = {}
+    step = 0
+    while eng.has_unfinished_requests():
+        step += 1
+        for o in eng.step():
+            seen.setdefault(o.request_id, []).append((step, o))
+    return seen
+
+
+def test_delta_outputs_hold_only_what_is_new_and_add_up_to_the_cumulative_run():
+    """RequestOutputKind.DELTA (vLLM's): text, token_ids, logprobs, token_logprobs and
+    token_weight_versions of each output are the new part only; their concatenation is
+    the CUMULATIVE run's last output, and cumulative_logprob stays cumulative."""
+    cum, delta = _steps(), _steps(kind=RequestOutputKind.DELTA)
+    for rid in ("x", "y"):
+        assert [s for s, _ in cum[rid]] == [s for s, _ in delta[rid]]  # the same steps
+        last = cum[rid][-1][1]
+        for i, ref in enumerate(last.outputs):
+            outs = [o.outputs[i] for _, o in delta[rid]]
+            for c, (_, co) in zip(outs, cum[rid]):
+                assert c.text == c.delta_text and c.token_ids == c.delta_token_ids
+                assert c.logprobs == c.delta_logprobs
+                assert len(c.token_logprobs) == len(c.token_ids) == len(c.token_weight_versions)
+                assert c.cumulative_logprob == co.outputs[i].cumulative_logprob
+            assert "".join(c.text for c in outs) == ref.text and len(ref.text) > 0
+            assert sum((c.token_ids for c in outs), []) == ref.token_ids
+            assert sum((c.logprobs for c in outs), []) == ref.logprobs
+            assert sum((c.token_logprobs for c in outs), []) == ref.token_logprobs
+            assert sum((c.token_weight_versions for c in outs), []) == \
+                ref.token_weight_versions == [0] * len(ref.token_ids)
+            assert (outs[-1].finish_reason, outs[-1].stop_reason) == (
+                ref.finish_reason, ref.stop_reason)
+
+
+def test_stream_interval_never_holds_back_a_finished_sample():
+    """With n = 2, a sample that finishes while its sibling runs is in that step's output
+    whatever the stream_interval (it used to wait for the sibling's k tokens)."""
+    def finish_steps(seen):
+        first: dict[int, int] = {}
+        for step, o in seen["y"]:
+            for c in o.outputs:
+                if c.finish_reason is not None:
+                    first.setdefault(c.index, step)
+        return first
+    one, held = finish_steps(_steps(1)), finish_steps(_steps(100))
+    assert one == held and len(one) == 2
+    assert len(set(one.values())) == 2  # the two samples finish at different steps
