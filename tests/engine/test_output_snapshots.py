@@ -111,22 +111,7 @@ def test_output_kind_is_validated_and_normalised():
 
 
 def _run(stream_interval: int) -> dict[str, list]:
-    model = ModelConfig.tiny()
-    config = make_engine_config(model, max_model_len=64, block_size=4, num_kv_blocks=64,
-                                max_num_seqs=8, max_num_batched_tokens=32,
-                                stream_interval=stream_interval)
-    V = tiny_tokenizer().vocab_size
-    runner = FakeRunner.for_config(config, build_batches=True, token_fn=lambda req, pos:
-                                   default_token(req.request_id, pos, vocab_size=V))
-    eng = LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False)
-    eng.add_request("x", "hello world", SamplingParams(max_tokens=11, ignore_eos=True, logprobs=1))
-    eng.add_request("y", "abc", SamplingParams(n=2, max_tokens=13, ignore_eos=True,
-                                                stop=["u", "x"]))
-    seen: dict[str, list] = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            seen.setdefault(o.request_id, []).append(o)
-    return seen
+    return {rid: [o for _, o in outs] for rid, outs in _steps(stream_interval).items()}
 
 
 def test_stream_interval_batches_tokens_into_fewer_outputs_with_the_same_result():
