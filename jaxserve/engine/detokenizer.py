@@ -87,6 +87,9 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of _text already returned as deltas
         self._finished = False
         self._stop_string: str | None = None
+        # An HF tokenizer's `clean_up_tokenization_spaces` (" ." -> ".") is not applied: the
+        # space may have been streamed before the "." arrives (vLLM's detokenizers skip it too).
+        self._clean_up = getattr(tokenizer, "clean_up_tokenization_spaces", False) is True
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream: DecodeStream | None = None
         if self._backend is not None:
@@ -120,6 +123,9 @@ class IncrementalDetokenizer:
         return len(self._ids) - self._num_prompt
 
     def _decode(self, start: int, end: int) -> str:
+        if self._clean_up:  # HF's clean-up drops a space already streamed: never here
+            return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip,
+                                    clean_up_tokenization_spaces=False)
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
     def _advance(self, force: bool) -> str:

@@ -283,3 +283,34 @@ def test_a_failing_decode_stream_hands_over_to_the_window_scheme(tok, fail_at, o
         out = "".join(d.update([t], finished=False).delta_text for t in ids)
         out += d.update([], finished=True).delta_text
     assert out == d.output_text == text and d._stream is None and "\ufffd" not in out
+
+
+class _CleanUpTokenizer(StreamBpeTokenizer):
+    """An HF tokenizer with `clean_up_tokenization_spaces=True`: its decode drops the space
+    before punctuation unless told not to (HF's `clean_up_tokenization_spaces=False`)."""
+
+    clean_up_tokenization_spaces = True
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
+        text = super().decode(ids, skip_special_tokens)
+        if clean_up_tokenization_spaces is not False:
+            for a, b in ((" .", "."), (" ,", ","), (" !", "!"), (" ?", "?")):
+                text = text.replace(a, b)
+        return text
+
+
+def test_a_tokenizer_that_cleans_up_spaces_loses_no_text(tok):
+    """The clean-up cannot stream (the space goes out before the "." arrives), so neither
+    scheme applies it, as in vLLM; the window scheme used to drop the punctuation."""
+    text = "hello world . the quick , brown fox ! and the lazy dog ?"
+    t = _CleanUpTokenizer(tok._tok)
+    ids = t.encode(text)
+    assert t.decode(ids) != text  # the tokenizer does clean up by default
+    for one in (True, False):
+        d = IncrementalDetokenizer(t, [], SamplingParams())
+        if type(tok) is BpeTokenizer:
+            d._stream = None  # the window scheme
+        feed = (lambda i: d.update_one(i) if one and d.plain
+                else d.update([i], finished=False).delta_text)
+        out = "".join(feed(i) for i in ids) + d.update([], finished=True).delta_text
+        assert out == d.output_text == text
