@@ -55,8 +55,17 @@ def _native(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
 
 def _dequant_dot(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    dims = (((1,), (1,)), ((), ()))
+    if w.kind == "q8" and w.block == w.shape[-1]:
+        # Per-channel int8: the scale is applied to the product, so only a convert feeds
+        # the dot and XLA's GPU GEMM fusion reads the int8 weight itself; a block scale
+        # varies along K and makes XLA write the dequantized weight first
+        # (scripts/gpu_quant_fusion.py, deviceless H200 / A100).
+        y = jax.lax.dot_general(x, w.q.astype(x.dtype), dims,
+                                preferred_element_type=jnp.float32)
+        return (y * w.scale[..., 0].astype(jnp.float32)).astype(x.dtype)
     wd = dequantize_jnp(w, x.dtype)
-    return jax.lax.dot_general(x, wd, (((1,), (1,)), ((), ())))
+    return jax.lax.dot_general(x, wd, dims)
 
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, native: bool | None = None
