@@ -29,6 +29,9 @@ NATIVE_MAX_ROWS = 64
 # the layers' float matrices (0: off; measured no faster than XLA there).
 HEAD_NATIVE_MAX_ROWS = 4
 FLOAT_NATIVE_MAX_ROWS = 0
+# Rows up to which a block-scaled weight's XLA path is `_reduce_dot` (no dequantized copy;
+# each extra row re-reads the blocks, so past a few rows the GEMM on a dequantized copy wins).
+REDUCE_MAX_ROWS = 4
 
 
 def dequantize_jnp(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
@@ -64,8 +67,31 @@ def _dequant_dot(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         y = jax.lax.dot_general(x, w.q.astype(x.dtype), dims,
                                 preferred_element_type=jnp.float32)
         return (y * w.scale[..., 0].astype(jnp.float32)).astype(x.dtype)
+    if x.shape[0] <= REDUCE_MAX_ROWS and x.ndim == 2 and w.q.ndim == 2:
+        return _reduce_dot(x, w)
     wd = dequantize_jnp(w, x.dtype)
     return jax.lax.dot_general(x, wd, dims)
+
+
+def _reduce_dot(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [M, K] @ W^T for block-scaled W [N, K] as one broadcast multiply and sum over K,
+    for M <= REDUCE_MAX_ROWS: XLA fuses the unpacking, the scales and the products into
+    one reduction that reads the blocks once, where the dequantize + dot form writes the
+    whole dequantized weight before its GEMM (scripts/gpu_quant_fusion.py)."""
+    f32 = jnp.float32
+    m, k = x.shape
+    n, nb = w.q.shape[0], k // w.block
+    xb = x.astype(f32).reshape(m, 1, nb, w.block)
+    s = w.scale.astype(f32)[None, :, :, None]
+    if w.kind == "q8":
+        y = jnp.sum(xb * w.q.reshape(1, n, nb, w.block).astype(f32) * s, axis=(2, 3))
+    else:  # ggml's Q4 order: byte j of a block holds element j (low nibble) and j + 16
+        pb = w.q.reshape(1, n, nb, w.block // 2)
+        lo, hi = (pb & 15).astype(f32), (pb >> 4).astype(f32)
+        xl, xh = xb[..., :w.block // 2], xb[..., w.block // 2:]
+        y = jnp.sum(s * (xl * lo + xh * hi) + w.min.astype(f32)[None, :, :, None] * (xl + xh),
+                    axis=(2, 3))
+    return y.astype(x.dtype)
 
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, native: bool | None = None
