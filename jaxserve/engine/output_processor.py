@@ -356,7 +356,8 @@ class OutputProcessor:
         ids, req, d, lps, tlp = (c.request.output_token_ids, c.request, c.detok, c.logprobs,
                                  c.token_logprobs)
         if delta:
-            text, tids, lp = c.delta_text, c.delta_ids, c.delta_logprobs if lps is not None else None
+            tids, lp = list(c.delta_ids), None if lps is None else list(c.delta_logprobs)
+            text = c.delta_text
             tlp = tlp[len(tlp) - len(tids):]
         else:
             text = ListPrefix(d.text, d.num_emitted) if d is not None else ""
