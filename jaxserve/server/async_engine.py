@@ -4,7 +4,9 @@ All engine calls (construction, add_request, step, abort, get_stats) happen
 on one background thread. The asyncio side talks to it through a command
 queue (`queue.SimpleQueue`); the thread hands each step's outputs back with
 one `loop.call_soon_threadsafe` per step, which fans them out to per-request
-`asyncio.Queue`s. Nothing on the event loop ever waits for device work.
+`OutputCollector`s (vLLM's RequestOutputCollector: a running request's deltas that its
+stream has not read yet are merged into one). Nothing on the event loop ever waits for
+device work.
 
 The loop thread is defensive: an exception from `engine.step()` fails every
 in-flight request with an error item (and aborts it in the engine) and the loop
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 from jaxserve.errors import EngineSleepingError
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.output_collector import OutputCollector
 
 if TYPE_CHECKING:  # the engine module loads jax; the server imports it only when it builds one
     from jaxserve.engine import LLMEngine
@@ -113,7 +116,7 @@ class RequestGroup:
         self._engine = engine
         self.request_ids = request_ids
         self.prompt_token_ids: list[list[int]] = []
-        self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self.queue = OutputCollector()  # merges a running request's unread deltas
         self._unfinished = set(request_ids)
 
     @property
@@ -295,7 +298,7 @@ class AsyncEngine:
             group = self._groups.get(d.request_id)
             if group is None:  # aborted by its client meanwhile
                 continue
-            group.queue.put_nowait(d)
+            group.queue.put(d)
             if d.finished:
                 del self._groups[d.request_id]
 
