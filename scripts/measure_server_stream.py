@@ -9,7 +9,9 @@ subprocess; the clients run in this process (their own GIL), each a streaming
 says how many tokens the request has. The window starts once every client has had its
 first event and ends when the first client finishes. Printed: the client-side tokens per
 request per second (goal 1000 / D), SSE events per request per second, and the engine's
-step period over the window (its `num_steps` counter from /metrics).
+step period over the window (its `num_steps` counter from /metrics), and the server's CPU
+per step split between its main thread (the asyncio HTTP loop: SSE formatting and writes)
+and its busiest other thread (the engine loop), from /proc/<pid>/task/*/stat.
 """
 
 from __future__ import annotations
@@ -40,6 +42,19 @@ def serve(clients: int, device_ms: float, stream_interval: int) -> None:
     run_server(engine, port=PORT, served_model_name="m", log_level="warning")
 
 
+def _thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process `pid`."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _steps(client: httpx.Client) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -64,15 +79,18 @@ async def _client(http: httpx.AsyncClient, max_tokens: int, log: list) -> None:
                 log.append((time.perf_counter(), usage["completion_tokens"]))
 
 
-async def _run(clients: int, max_tokens: int) -> tuple[list[list], float, float, float, float]:
+async def _run(clients: int, max_tokens: int, pid: int) -> tuple[list[list], float, float,
+                                                                  float, float, dict, dict]:
     logs: list[list] = [[] for _ in range(clients)]
     steps_at: dict[str, tuple[float, float]] = {}
+    cpu_at: dict[str, dict] = {}
     sync = httpx.Client()
 
     async def watch() -> None:  # the engine's step counter at the window's two ends
         while not all(logs):
             await asyncio.sleep(0.005)
         steps_at["start"] = (time.perf_counter(), await asyncio.to_thread(_steps, sync))
+        cpu_at["start"] = _thread_cpu(pid)
 
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
@@ -80,10 +98,11 @@ async def _run(clients: int, max_tokens: int) -> tuple[list[list], float, float,
         watcher = asyncio.create_task(watch())
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         steps_at["end"] = (time.perf_counter(), _steps(sync))
+        cpu_at["end"] = _thread_cpu(pid)
         await watcher
         await asyncio.gather(*tasks)
     (t0, s0), (t1, s1) = steps_at["start"], steps_at["end"]
-    return logs, t0, t1, s0, s1
+    return logs, t0, t1, s0, s1, cpu_at["start"], cpu_at["end"]
 
 
 def main() -> int:
@@ -112,7 +131,7 @@ def main() -> int:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")
             time.sleep(0.2)
-        logs, t0, t1, s0, s1 = asyncio.run(_run(a.clients, a.max_tokens))
+        logs, t0, t1, s0, s1, c0, c1 = asyncio.run(_run(a.clients, a.max_tokens, proc.pid))
     finally:
         proc.terminate()
         proc.wait(30)
@@ -125,10 +144,15 @@ def main() -> int:
         events.append(len(inside))
     n = len(logs)
     period = window / max(s1 - s0, 1) * 1e3
+    steps = max(s1 - s0, 1)
+    used = {tid: c1[tid] - c0.get(tid, 0.0) for tid in c1}
+    main_ms = used.pop(proc.pid, 0.0) / steps * 1e3
+    engine_ms = max(used.values(), default=0.0) / steps * 1e3
     print(f"clients={n} D={a.device_ms:g} ms stream_interval={a.stream_interval}: window "
           f"{window:.2f} s, tokens/request/s {sum(gained) / n / window:.1f} (goal "
           f"{1000 / a.device_ms:.0f}), SSE events/request/s {sum(events) / n / window:.1f}, "
-          f"engine period {period:.2f} ms ({s1 - s0:.0f} steps); load after "
+          f"engine period {period:.2f} ms ({s1 - s0:.0f} steps); server CPU per step: HTTP loop "
+          f"{main_ms:.2f} ms, engine thread {engine_ms:.2f} ms; load after "
           f"{os.getloadavg()[0]:.2f}")
     return 0
 
