@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <memory>

@@ -66,7 +66,7 @@ inline BlockPlace PlaceOf(const QuantX& o, int64_t b) {
 }
 
 // False if x holds a NaN or an infinity: the caller then keeps x in f32, so they propagate.
-// quads: the q4 layout (blocks in quads first), else pairs only (q8).
+// Vectorized per block (AVX-512F). quads: the q4 layout (blocks in quads first), else pairs only (q8).
 bool QuantizeX(const float* x, int64_t M, int64_t K, bool quads, QuantX& o) {
   o.nb = K / 32, o.nquad = quads ? o.nb / 4 : 0;
   o.npair = (o.nb - 4 * o.nquad) / 2, o.tail = o.nb % 2;
@@ -77,24 +77,32 @@ bool QuantizeX(const float* x, int64_t M, int64_t K, bool quads, QuantX& o) {
   o.corr.assign(M * o.row_lanes, 0), o.xs.assign(M * o.nb, 0.f);
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < o.nb; ++b) {
-      const float* xb = x + r * K + b * 32;
-      float amax = 0.f;
-      for (int e = 0; e < 32; ++e) {
-        if (!std::isfinite(xb[e])) return false;
-        amax = std::max(amax, std::fabs(xb[e]));
+      // 32 elements as two 16-lane halves (elements 0..15, 16..31): the same f32 ops as
+      // `native_qmatmul.quantize_x` (rint is round-half-even), so the digits are exact.
+      const __m512 x0 = _mm512_loadu_ps(x + r * K + b * 32), x1 = _mm512_loadu_ps(x + r * K + b * 32 + 16);
+      const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1), big = _mm512_set1_ps(FLT_MAX);
+      if ((_mm512_cmp_ps_mask(a0, big, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, big, _CMP_LE_OQ)) != 0xffff) {
+        return false;  // a NaN or an infinity
       }
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
       const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
       const BlockPlace at = PlaceOf(o, b);
       int8_t* hi = o.q.data() + r * o.row_bytes + at.byte0;
       int8_t* lo = hi + at.lo_off;
-      int32_t sh = 0, sl = 0;
-      for (int e = 0; e < 32; ++e) {
-        const float v = xb[e] * id, h = std::nearbyint(v);
-        const float l = std::min(std::nearbyint((v - h) * 256.f), 127.f);
-        hi[at.DigitPos(e)] = static_cast<int8_t>(h);
-        lo[at.DigitPos(e)] = static_cast<int8_t>(l);
-        sh += static_cast<int32_t>(h), sl += static_cast<int32_t>(l);
+      __m512i shv = _mm512_setzero_si512(), slv = _mm512_setzero_si512();
+      for (int half = 0; half < 2; ++half) {
+        constexpr int kRint = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        const __m512 v = _mm512_mul_ps(half ? x1 : x0, _mm512_set1_ps(id));
+        const __m512 h = _mm512_roundscale_ps(v, kRint);
+        const __m512 l = _mm512_min_ps(
+            _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, h), _mm512_set1_ps(256.f)), kRint),
+            _mm512_set1_ps(127.f));
+        const __m512i hq = _mm512_cvtps_epi32(h), lq = _mm512_cvtps_epi32(l);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + at.DigitPos(16 * half)), _mm512_cvtepi32_epi8(hq));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + at.DigitPos(16 * half)), _mm512_cvtepi32_epi8(lq));
+        shv = _mm512_add_epi32(shv, hq), slv = _mm512_add_epi32(slv, lq);
       }
+      const int32_t sh = _mm512_reduce_add_epi32(shv), sl = _mm512_reduce_add_epi32(slv);
       const int64_t lane0 = r * o.row_lanes + at.lane0;
       for (int l = 0; l < (at.kind == 2 ? 8 : 16); ++l) {
         if (at.OwnsLane(l)) o.dl[lane0 + l] = d / 256.f;
