@@ -25,7 +25,8 @@
 // [C0 0..15 | C1 0..15 | C2 0..15 | C3 0..15] and high ones (elements 16..31), with no
 // lane shuffle, and both dpbusd into the same lanes (lanes 4j..4j+3: block Cj), so four
 // f16 scales make one lane-scale vector: about half the instructions per weight of the
-// pair loop (notes/issue26_decode1.md).
+// pair loop (notes/issue26_decode1.md). q8 pairs keep x's digits in natural order
+// ([A 0..31 | B 0..31]: lanes 0-7 A, 8-15 B), so its 64 weight bytes need no permute.
 constexpr int64_t kPairBytes = 128;  // per pair: hi[64], lo[64]
 constexpr int64_t kPairLanes = 16;
 constexpr int64_t kQuadBytes = 256;  // per quad: hi (elements 0..15, 16..31), lo (same)
@@ -37,6 +38,7 @@ constexpr bool kPrefetch = true;   // the next tile's weight rows, one pair ahea
 struct QuantX {
   int64_t nquad = 0, npair = 0, tail = 0, row_bytes = 0, row_lanes = 0, nb = 0;
   int64_t pair_byte0 = 0, pair_lane0 = 0;  // where the pairs start in a row
+  bool q4 = true;  // the pairs' order: q4's (above) or q8's natural one
   std::vector<int8_t> q;       // [M, row_bytes]: pairs (hi 64, lo 64), tail (hi 32, lo 32)
   std::vector<float> dl;       // [M, row_lanes]: d / 256 of the lane's block
   std::vector<int32_t> corr;   // [M, row_lanes]: q8's 128 * (256 sum hi + sum lo) on a
@@ -48,27 +50,34 @@ struct QuantX {
 // the lo digits' offset from them, its byte position function and its group's first lane.
 struct BlockPlace {
   int64_t byte0, lo_off, lane0;
-  int kind;  // 0 quad, 1 pair, 2 tail
+  int kind;  // 0 quad, 1 q4 pair, 2 tail, 3 q8 pair (natural order)
   int64_t slot;  // b's index inside its group
   int64_t DigitPos(int64_t e) const {
     if (kind == 0) return (e < 16 ? 0 : 64) + slot * 16 + (e & 15);
     if (kind == 1) return (e < 16 ? 0 : 32) + slot * 16 + (e & 15);
-    return e;
+    return kind == 3 ? slot * 32 + e : e;
   }
-  bool OwnsLane(int64_t l) const { return kind == 0 ? l / 4 == slot : kind == 2 || ((l / 4) & 1) == slot; }
+  bool OwnsLane(int64_t l) const {
+    if (kind == 0) return l / 4 == slot;
+    if (kind == 3) return l / 8 == slot;
+    return kind == 2 || ((l / 4) & 1) == slot;
+  }
+  int64_t CorrLane() const { return kind == 2 ? 0 : kind == 3 ? slot * 8 : slot * 4; }
 };
 
 inline BlockPlace PlaceOf(const QuantX& o, int64_t b) {
   if (b < 4 * o.nquad) return {(b / 4) * kQuadBytes, 128, (b / 4) * kQuadLanes, 0, b & 3};
   const int64_t p = (b - 4 * o.nquad) / 2;
-  if (p < o.npair) return {o.pair_byte0 + p * kPairBytes, 64, o.pair_lane0 + p * kPairLanes, 1, b & 1};
+  if (p < o.npair) {
+    return {o.pair_byte0 + p * kPairBytes, 64, o.pair_lane0 + p * kPairLanes, o.q4 ? 1 : 3, b & 1};
+  }
   return {o.pair_byte0 + o.npair * kPairBytes, 32, o.pair_lane0 + o.npair * kPairLanes, 2, 0};
 }
 
 // False if x holds a NaN or an infinity: the caller then keeps x in f32, so they propagate.
 // Vectorized per block (AVX-512F). quads: the q4 layout (blocks in quads first), else pairs only (q8).
 bool QuantizeX(const float* x, int64_t M, int64_t K, bool quads, QuantX& o) {
-  o.nb = K / 32, o.nquad = quads ? o.nb / 4 : 0;
+  o.nb = K / 32, o.nquad = quads ? o.nb / 4 : 0, o.q4 = quads;
   o.npair = (o.nb - 4 * o.nquad) / 2, o.tail = o.nb % 2;
   o.pair_byte0 = o.nquad * kQuadBytes, o.pair_lane0 = o.nquad * kQuadLanes;
   o.row_bytes = o.pair_byte0 + o.npair * kPairBytes + o.tail * 64;
@@ -107,16 +116,18 @@ bool QuantizeX(const float* x, int64_t M, int64_t K, bool quads, QuantX& o) {
       for (int l = 0; l < (at.kind == 2 ? 8 : 16); ++l) {
         if (at.OwnsLane(l)) o.dl[lane0 + l] = d / 256.f;
       }
-      if (at.kind != 0) o.corr[lane0 + (at.kind == 2 ? 0 : at.slot * 4)] = 128 * (256 * sh + sl);
+      if (at.kind != 0) o.corr[lane0 + at.CorrLane()] = 128 * (256 * sh + sl);
       o.xs[r * o.nb + b] = d * (static_cast<float>(sh) + static_cast<float>(sl) / 256.f);
     }
   }
   return true;
 }
 
-// Weight row n's scales of blocks b, b + 1 on the dpbusd lanes of a pair.
+// Weight row n's scales of blocks b, b + 1 on the dpbusd lanes of a pair (q4's or q8's order).
+template <bool Q4>
 inline __m512 PairScales(const Work& w, int64_t n, int64_t b) {
-  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  const __m512i idx = Q4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                         : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   __m128 d2;
   if (w.block == 32) {
     uint32_t bits;
@@ -129,7 +140,7 @@ inline __m512 PairScales(const Work& w, int64_t n, int64_t b) {
   return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d2));
 }
 
-// 64 unsigned weight bytes of pair p of row n, in the pair order above.
+// 64 unsigned weight bytes of pair p of row n, in the pair order above (q8: as stored).
 template <bool Q4>
 inline __m512i PairWeights(const Work& w, int64_t n, int64_t p) {
   if constexpr (Q4) {
@@ -139,9 +150,8 @@ inline __m512i PairWeights(const Work& w, int64_t n, int64_t p) {
     const __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   } else {
-    const __m512i order = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
     const __m512i raw = _mm512_loadu_si512(static_cast<const int8_t*>(w.q) + n * w.K + p * 64);
-    return _mm512_xor_si512(_mm512_permutexvar_epi64(order, raw), _mm512_set1_epi8(-128));
+    return _mm512_xor_si512(raw, _mm512_set1_epi8(-128));
   }
 }
 
@@ -249,7 +259,7 @@ void IntTile(const Work& w, const QuantX& xq, int64_t n0, int64_t r0) {
       if (kPrefetch) _mm_prefetch(static_cast<const char*>(w.q) + (n0 + NT + i) * (Q4 ? w.K / 2 : w.K) +
                        (b0 / 2 + p) * (Q4 ? 32 : 64), _MM_HINT_T0);
       const __m512i wq = PairWeights<Q4>(w, n0 + i, b0 / 2 + p);
-      const __m512 dw = PairScales(w, n0 + i, b0 + 2 * p);
+      const __m512 dw = PairScales<Q4>(w, n0 + i, b0 + 2 * p);
       for (int r = 0; r < RT; ++r) {
         const int64_t row = r0 + r;
         const int64_t byte = xq.pair_byte0 + p * kPairBytes, lane = xq.pair_lane0 + p * kPairLanes;
