@@ -10,7 +10,11 @@ between program calls (step wall minus the programs), and tokens/s of the unwrap
   default    the shipped thresholds (`linear.HEAD_NATIVE_MAX_ROWS`, `FLOAT_NATIVE_MAX_ROWS`)
   head_off   HEAD_NATIVE_MAX_ROWS = 0 (the tied fp32 head on XLA: the "before")
   layers_on  FLOAT_NATIVE_MAX_ROWS = 8 as well (the layers' matrices on the "kn" kernel)
-The load average is printed with each row: only ratios within one run mean anything.
+  g<N>       the shipped thresholds with `EngineConfig.layers_per_program = N` (g1: the CPU
+             default; g30: SmolLM2's whole stack in one program)
+Every variant's engine is built first, then the untimed runs are interleaved (variant by
+variant, --reps rounds) and so are the timed ones; --hlo prints what each variant's one-row
+layer program holds (custom calls: the native matmuls and attention; fusions). The load average is printed with each row: only ratios within one run mean anything.
 
   PYTHONPATH=. .venv/bin/python scripts/profile_decode_alone.py --variants=head_off,default
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import time
 
@@ -77,26 +82,45 @@ def _decode(llm, prompt: str, max_tokens: int, acc: dict | None) -> tuple[float,
     return (len(toks) - 1) / (time.perf_counter() - t_first), steps[1:], toks
 
 
-def run(a, variant: str) -> tuple[dict, list]:
-    saved = {k: getattr(linear, k) for k in VARIANTS[variant]}
-    for k, v in VARIANTS[variant].items():
+def build(a, variant: str):
+    """The variant's `LLM` (linear's thresholds set while its programs are traced)."""
+    group = int(variant[1:]) if variant[0] == "g" else None
+    overrides = VARIANTS.get(variant, {})
+    saved = {k: getattr(linear, k) for k in overrides}
+    for k, v in overrides.items():
         setattr(linear, k, v)
     try:
+        t = time.perf_counter()
         llm = LLM(a.model, quantization=a.quantization, max_num_seqs=1,
-                  max_num_batched_tokens=64, max_model_len=1024, executable_cache_dir=None)
+                  max_num_batched_tokens=64, max_model_len=1024, executable_cache_dir=None,
+                  layers_per_program=group)
+        print(f"{variant}: engine built in {time.perf_counter() - t:.1f} s, load "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        return llm
     finally:
         for k, v in saved.items():
             setattr(linear, k, v)
-    rate, _, toks = max(_decode(llm, a.prompt, a.max_tokens, None) for _ in range(a.reps))
-    acc: dict = {}
-    _wrap(llm.engine.runner, acc)
-    _, steps, _ = _decode(llm, a.prompt, a.max_tokens, acc)
+
+
+def hlo_counts(llm) -> str:
+    """Custom calls and fusions in the one-row layer program (optimized HLO)."""
+    progs = llm.engine.runner.programs.programs
+    prog = next((p for k, p in progs.items() if k[0] == "stack" and k[1] == 1), None)
+    if prog is None or not hasattr(prog, "layers"):
+        return "no one-row layer program"
+    ops = [m.group(1) for ln in prog.layers.as_text().splitlines() if " = " in ln
+           and (m := re.search(r"\s([a-z][a-z0-9-]*)\(", " " + ln.split(" = ", 1)[1]))]
+    return (f"{prog.group} layer(s) per program: {ops.count('custom-call')} custom calls, "
+            f"{ops.count('fusion')} fusions, {len(ops)} instructions")
+
+
+def summarize(steps: list, rate: float) -> dict:
     med = {n: statistics.median(s[1].get(n, 0.0) for s in steps) * 1e3
            for n in ("layers", "embed+final", "head")}
     med["step"] = statistics.median(s[0] for s in steps) * 1e3
     med["host"] = statistics.median(s[0] - sum(s[1].values()) for s in steps) * 1e3
     med["tok/s"] = rate
-    return med, toks
+    return med
 
 
 def main() -> None:
@@ -107,18 +131,32 @@ def main() -> None:
     ap.add_argument("--max_tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompt", default="Write a long story about a lighthouse keeper.")
+    ap.add_argument("--hlo", action="store_true", help="count the layer program's ops")
     a = ap.parse_args()
+    names = a.variants.split(",")
+    llms = {v: build(a, v) for v in names}
+    if a.hlo:
+        for v, llm in llms.items():
+            print(f"{v}: {hlo_counts(llm)}", flush=True)
+    best: dict = {v: (0.0, None) for v in names}
+    for _ in range(a.reps):  # untimed runs, interleaved: tokens/s without blocking
+        for v in names:
+            rate, _, toks = _decode(llms[v], a.prompt, a.max_tokens, None)
+            best[v] = max(best[v], (rate, toks), key=lambda r: r[0])
+    accs = {v: {} for v in names}
+    for v in names:
+        _wrap(llms[v].engine.runner, accs[v])
     cols = ("layers", "embed+final", "head", "host", "step", "tok/s")
     print(f"{'variant':10s} " + " ".join(f"{c:>11s}" for c in cols) + "  load  greedy",
           flush=True)
-    first = None
-    for v in a.variants.split(","):
-        med, toks = run(a, v)
-        first = first or toks
-        same = "same" if toks == first else "DIFFERS"
+    first = best[names[0]][1]
+    for v in names:  # timed runs, one after the other
+        _, steps, _ = _decode(llms[v], a.prompt, a.max_tokens, accs[v])
+        med = summarize(steps, best[v][0])
+        same = "same" if best[v][1] == first else "DIFFERS"
         print(f"{v:10s} " + " ".join(f"{med[c]:11.2f}" for c in cols) +
               f"  {os.getloadavg()[0]:.2f}  {same}", flush=True)
-    print("(ms per step, medians; tok/s of the run without timers)")
+    print("(ms per step, medians; tok/s: the best untimed run)")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,18 @@ def set_int_rows(rows: int) -> int:
     return int(_lib_fn("JaxserveQMatmulSetIntRows")(rows)) if available() else 0
 
 
+def serial_work() -> int:
+    """Multiply-adds (M * N * K) below which the kernel runs a product on the calling
+    thread alone (above: XLA's intra-op pool helps); 0 if the kernel is unavailable."""
+    return int(_lib_fn("JaxserveQMatmulSerialWork")()) if available() else 0
+
+
+def set_serial_work(work: int) -> int:
+    """Set the process-wide `serial_work` (>= 0; 0 threads every product), for
+    measurements in one process; no recompile. Returns the value in force."""
+    return int(_lib_fn("JaxserveQMatmulSetSerialWork")(work)) if available() else 0
+
+
 def quantize_x(x: np.ndarray) -> np.ndarray:
     """The values the kernel's integer path multiplies for x f32[M, K] (K % 32 == 0), as
     float64 [M, K] (the reference of `native/qmatmul.cc` QuantizeX): per 32-element block,

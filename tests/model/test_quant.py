@@ -87,10 +87,11 @@ def x_path(request):
 
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("kind", ["q8", "q4", "int8"])
-@pytest.mark.parametrize("shape", [(37, 96), (5, 160), (6, 64)])
+@pytest.mark.parametrize("shape", [(37, 96), (5, 160), (6, 64), (9, 224), (11, 576)])
 def test_quantized_matmul_matches_float64(native, kind, shape, x_path):
     """Within 1e-5 of float64 (dequantized W) @ (x as the kernel quantizes it); within
-    X_QUANT_REL_ERR of the unquantized product. Odd and even numbers of 32-blocks."""
+    X_QUANT_REL_ERR of the unquantized product. Odd and even numbers of 32-blocks; for
+    q4's quads of blocks, 0-4 quads with 0-3 blocks left over (3, 5, 2, 7, 18 blocks)."""
     if not native and x_path == "int":
         pytest.skip("the dequantize + dot path has no activation paths")
     n, k = shape
@@ -108,6 +109,25 @@ def test_quantized_matmul_matches_float64(native, kind, shape, x_path):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         plain = x.astype(np.float64) @ wd.T
         assert np.abs(got - plain).max() <= X_QUANT_REL_ERR * np.abs(plain).max(), m
+
+
+def test_native_matmul_threaded_equals_serial():
+    """`set_serial_work(0)` (every product on the pool) gives the serial result bit for bit
+    (tasks own disjoint output rows), and the threshold round-trips and is restored."""
+    if not native_qmatmul.available():
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(3)
+    qw = quant.quantize_q4(rng.standard_normal((200, 224)).astype(np.float32))
+    x = rng.standard_normal((1, 224)).astype(np.float32)
+    fn = jax.jit(lambda x, w: linear.quantized_matmul(x, w, native=True))
+    before = native_qmatmul.serial_work()
+    serial = np.asarray(fn(x, qw))
+    try:
+        assert native_qmatmul.set_serial_work(0) == 0 == native_qmatmul.serial_work()
+        np.testing.assert_array_equal(np.asarray(fn(x, qw)), serial)
+    finally:
+        native_qmatmul.set_serial_work(before)
+    assert native_qmatmul.serial_work() == before > 0
 
 
 def test_native_matmul_propagates_nan_and_inf(x_path):

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -63,7 +64,9 @@ constexpr int64_t kDirectRows = 2;  // up to this many rows of x: dequantize in 
 // Up to this many rows of x: integer dot products (notes/issue26_q4.md: at M = 3 they beat
 // the f32 panel, 0.16 vs 0.24 ms on mlp_up; at M = 8 it is mixed, at 64 the panel wins).
 constexpr int64_t kIntMaxRows = 4;
-constexpr int64_t kSerialWork = int64_t{1} << 21;  // M * N * K below which one thread runs it
+// M * N * K below which one thread runs a product (JaxserveQMatmulSetSerialWork).
+constexpr int64_t kSerialWork = int64_t{1} << 21;
+std::atomic<int64_t> g_serial_work{kSerialWork};
 
 struct Work {
   int64_t M, N, K, block, nb;
@@ -274,14 +277,14 @@ ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const v
   w->n_tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
 #ifdef JAXSERVE_INT_DOT
   thread_local QuantX xq;  // the calling thread's; helpers only read it while it waits
-  if (M <= g_int_rows.load(std::memory_order_relaxed) && QuantizeX(w->x, M, K, xq)) {
+  if (M <= g_int_rows.load(std::memory_order_relaxed) && QuantizeX(w->x, M, K, q4, xq)) {
     w->xq = &xq;
   }
 #endif
   // Small products run on the calling thread: handing tasks to the pool costs more
   // than it saves below ~kSerialWork multiply-adds; never more threads than cores.
   const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t helpers = M * N * K < kSerialWork ? 0 :
+  const int64_t helpers = M * N * K < g_serial_work.load(std::memory_order_relaxed) ? 0 :
       std::min<int64_t>({pool.num_threads(), cores - 1, w->n_tasks - 1});
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([w]() { w->Drain(); });
   w->Drain();
@@ -340,4 +343,13 @@ extern "C" int64_t JaxserveQMatmulSetIntRows(int64_t rows) {
   g_int_rows.store(std::clamp<int64_t>(rows, 0, kIntMaxRows));
 #endif
   return g_int_rows.load();
+}
+
+// Multiply-adds (M * N * K) below which a product runs on the calling thread alone
+// (default kSerialWork); settable so measurements compare both in one process.
+extern "C" int64_t JaxserveQMatmulSerialWork() { return g_serial_work.load(); }
+
+extern "C" int64_t JaxserveQMatmulSetSerialWork(int64_t work) {
+  g_serial_work.store(std::max<int64_t>(work, 0));
+  return g_serial_work.load();
 }
