@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 from absl import app, flags
 
+from jaxserve.worker.host_memory import fix_mmap_threshold, release_host_memory
+
 FLAGS = flags.FLAGS
 
 # ---- model and engine (shared by generate and serve)
@@ -185,6 +187,7 @@ def build_engine(auto_warmup: str = "full"):
     from jaxserve.worker.compile import enable_compilation_cache
     from jaxserve.distributed.tensor_parallel import OwnedHostParams, align_host_leaves
 
+    fix_mmap_threshold()  # freed large XLA buffers go back to the OS (worker/host_memory.py)
     enable_compilation_cache(FLAGS.compile_cache_dir)
     path = resolve_model_path(FLAGS.model)
     cache_dir = FLAGS.params_cache_dir if FLAGS.num_processes == 1 else None  # see start_multihost
@@ -260,6 +263,7 @@ def start_multihost() -> bool:
     from jaxserve.worker.model_runner import ModelRunner
     from jaxserve.scheduler.buckets import BucketPolicy
 
+    fix_mmap_threshold()
     enable_compilation_cache(FLAGS.compile_cache_dir)
     # No params cache with several processes yet: the .npy cache's writes are atomic, but
     # several processes converting into one entry at once has not been tested.
@@ -270,19 +274,6 @@ def start_multihost() -> bool:
     runner.warmup(progress=False)
     multihost.follower_loop(runner)
     return True
-
-
-def release_host_memory() -> None:
-    """Collect garbage and return free glibc heap pages to the OS (malloc_trim; a no-op
-    where libc has no malloc_trim)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def read_prompts(path: str | None, inline: Sequence[str]) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ import os
 import time
 
 T0 = time.perf_counter()
+SMAPS = False  # --smaps: the largest mappings after each phase
 
 
 def status() -> dict[str, int]:
@@ -36,6 +37,22 @@ def status() -> dict[str, int]:
             if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                 out[k] = int(v.split()[0]) // 1024
     return out
+
+
+def top_mappings(n: int = 12) -> str:
+    """The n largest resident mappings of this process (smaps), grouped by path:
+    'path rss MiB (anon MiB)'; anonymous heap and unnamed maps are '[anon]'."""
+    rss: dict[str, list[int]] = {}
+    name = "[anon]"
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):  # a mapping's header line
+                name = head[5] if len(head) > 5 else "[anon]"
+            elif head[0] in ("Rss:", "Anonymous:"):
+                rss.setdefault(name, [0, 0])[head[0] == "Anonymous:"] += int(head[1])
+    top = sorted(rss.items(), key=lambda kv: -kv[1][0])[:n]
+    return "\n".join(f"    {v[0] // 1024:6d} MiB (anon {v[1] // 1024:5d})  {k}" for k, v in top)
 
 
 def reset_peak() -> None:
@@ -52,6 +69,8 @@ def phase(name: str, fn=None):
     print(f"{name:34s} peak {st['VmHWM']:6d} MiB  after {st['VmRSS']:6d} MiB "
           f"(anon {st['RssAnon']:6d}, file {st['RssFile']:5d})  {time.perf_counter() - t:6.1f} s",
           flush=True)
+    if SMAPS:
+        print(top_mappings(), flush=True)
     return res
 
 
@@ -89,10 +108,21 @@ def main() -> None:
     ap.add_argument("--keep_host_params", action="store_true",
                     help="the flow before the fix: the host tree stays alive through warm-up "
                          "and no malloc_trim between phases")
+    ap.add_argument("--dynamic_mmap_threshold", action="store_true",
+                    help="keep glibc's dynamic mmap threshold (the flow before "
+                         "`jaxserve.worker.host_memory.fix_mmap_threshold`), for an A/B")
+    ap.add_argument("--smaps", action="store_true",
+                    help="after each phase, the largest resident mappings (smaps, by path)")
     args = ap.parse_args()
+    global SMAPS
+    SMAPS = args.smaps
     print(f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX')} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS')} load {os.getloadavg()[0]:.1f}", flush=True)
     phase("python + argparse")
+    if not args.dynamic_mmap_threshold:  # as cli.build_engine
+        from jaxserve.worker.host_memory import MMAP_THRESHOLD_BYTES, fix_mmap_threshold
+
+        print(f"mmap threshold fixed at {MMAP_THRESHOLD_BYTES} bytes: {fix_mmap_threshold()}")
 
     def imports():
         import jax  # noqa: F401
@@ -132,8 +162,8 @@ def main() -> None:
     if not args.keep_host_params:
         phase("release_host_memory", release_host_memory)
     if args.per_program:  # the same programs warm-up builds, one phase each
-        for key in engine.runner.bucket_policy.program_keys():
-            phase(f"  program {key}", lambda key=key: engine.runner._build(key))
+        for key in engine.runner.warmup_keys():
+            phase(f"  program {key}", lambda key=key: engine.runner.programs.build(key))
             release_host_memory()
     phase("warm-up (programs)", lambda: engine.runner.warmup(progress=False))
     if not args.keep_host_params:

@@ -10,6 +10,7 @@
   kv_cache.py          KV pool sizing
   executable_cache.py  serialized AOT executables on disk
   fake_runner.py       `FakeRunner`: scripted tokens, no model (tests, host benchmarks)
+  host_memory.py       glibc malloc policy of a serving process (mmap threshold, trim)
 
 Importing this package imports nothing heavy; import the module you need.
 """
