@@ -4,6 +4,9 @@
 # Uses a separate Python 3.11 venv with torch + transformers (the jaxserve
 # venv ships no torch), so the golden numbers come from an independent
 # implementation: HF transformers' LlamaForCausalLM on CPU in float32.
+# Arguments go to make_golden.py: `scripts/make_fixtures.sh --only smollm2_greedy32`
+# rewrites tests/fixtures/smollm2/greedy32_golden.json (issue 26) and, as always, the
+# chat-template golden.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -21,7 +21,9 @@ Writes:
                     transformers from that GGUF.
   smollm2/          tokenizer_golden.json and greedy_golden.json for the real
                     SmolLM2-135M-Instruct Q4_1 GGUF, loaded by transformers
-                    (gguf_file=..., which dequantizes to float32).
+                    (gguf_file=..., which dequantizes to float32); greedy32_golden.json
+                    (issue 26): the 32 prompts of smollm2/greedy32_prompts.txt, chat-templated,
+                    16 greedy tokens each with the chosen token's logprob and the top-2 gap.
 """
 
 from __future__ import annotations
@@ -410,11 +412,45 @@ def write_smollm2(out: Path, model_path: Path) -> None:
     print(f"wrote {d}")
 
 
+def write_smollm2_greedy32(out: Path, model_path: Path, steps: int = 16) -> None:
+    """32 chat-templated prompts, `steps` greedy tokens each (issue 26's quantized must-hold)."""
+    d = out / "smollm2"
+    prompts = (d / "greedy32_prompts.txt").read_text().splitlines()
+    model_dir, fname = str(model_path.parent), model_path.name
+    tok, _ = smollm2_tokenizer(model_dir, fname)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=fname, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    runs = []
+    for text in prompts:
+        chat = tok.apply_chat_template([{"role": "user", "content": text}],
+                                       add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([tok(chat, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                                 do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=tok.eos_token_id,
+                                 eos_token_id=None)
+        new = gen.sequences[0, ids.shape[1]:].tolist()
+        lp = torch.log_softmax(torch.stack([x[0] for x in gen.logits]).double(), dim=-1)
+        top2 = torch.topk(lp, 2, dim=-1).values
+        runs.append({"prompt_ids": ids[0].tolist(), "greedy_ids": new,
+                     "logprobs": [round(float(lp[i, t]), 6) for i, t in enumerate(new)],
+                     "top2_logit_gap": [round(float(g), 6) for g in top2[:, 0] - top2[:, 1]]})
+    (d / "greedy32_golden.json").write_text(json.dumps(
+        {"source": f"transformers {__import__('transformers').__version__}, torch "
+                   f"{torch.__version__}: LlamaForCausalLM from {fname} (gguf_file=, dequantized "
+                   "to float32), eager attention, greedy, eos not stopping; prompts "
+                   "greedy32_prompts.txt as one user message through the file's chat template",
+         "max_new_tokens": steps, "runs": runs}, separators=(",", ":")))
+    print(f"wrote {d / 'greedy32_golden.json'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/fixtures")
     ap.add_argument("--model", default="checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf")
-    ap.add_argument("--only", choices=["tiny", "families", "gguf", "smollm2"], default=None)
+    ap.add_argument("--only", choices=["tiny", "families", "gguf", "smollm2",
+                                                "smollm2_greedy32"], default=None)
     a = ap.parse_args()
     out = Path(a.out)
     torch.set_num_threads(2)
@@ -426,6 +462,8 @@ def main() -> None:
         write_tiny_gguf(out)
     if a.only in (None, "smollm2"):
         write_smollm2(out, Path(a.model))
+    if a.only in (None, "smollm2_greedy32"):
+        write_smollm2_greedy32(out, Path(a.model))
 
 
 if __name__ == "__main__":
