@@ -1,7 +1,11 @@
 """`--stream_interval k` (vLLM's): several tokens share one SSE event, the first and the
-last at once; the streamed text, tokens and logprobs are those of k = 1."""
+last at once; the streamed text, tokens and logprobs are those of k = 1. (The engine
+emits outputs of 1, 4, 4, 1 tokens here; the server's output collector may merge
+consecutive ones when the stream lags, so an event ends where one of them ends.)"""
 
 from __future__ import annotations
+
+import itertools
 
 import openai
 
@@ -25,6 +29,7 @@ def test_sse_events_carry_k_tokens_each_and_the_same_text():
         assert sum((c.choices[0].logprobs.tokens for c in got[k]), []) == list("defghijklm")
         assert got[k][-1].choices[0].finish_reason == "length"
     sizes = [len(c.choices[0].logprobs.tokens) for c in got[4] if c.choices[0].logprobs]
-    assert sizes == [1, 4, 4, 1] and len(got[1]) == 10
+    assert set(itertools.accumulate(sizes)) <= {1, 5, 9, 10} and len(sizes) <= 4
+    assert sum(len(c.choices[0].logprobs.tokens) for c in got[1]) == 10
     assert sum((c.choices[0].logprobs.token_logprobs for c in got[4]), []) == \
         sum((c.choices[0].logprobs.token_logprobs for c in got[1]), [])
