@@ -75,13 +75,34 @@ def aot_compile(fn: Any, args: tuple, *, exec_cache: ExecutableCache | None,
                 key_parts: dict | None) -> tuple[Any, str]:
     """(program, how) of `fn` lowered on `args`: "restored" from `exec_cache` under
     `key_parts` (no trace), else lowered and compiled: "built" by XLA or "loaded" from
-    JAX's persistent compile cache."""
+    JAX's persistent compile cache.
+
+    Every program is checked against `args` (structure, shapes, dtypes) before it is
+    returned or stored: a full `make test` twice got another program's executable back
+    from a compile racing the warm-up's other compile thread (a stack program for a head
+    key, and the reverse), which would run the wrong computation. A mismatch is logged
+    and rebuilt; a third mismatch raises.
+
+    Raises:
+      RuntimeError: three compiles in a row gave a program that does not take `args`.
+    """
     hits0 = CacheHits.count()
     if exec_cache is not None:
         program = exec_cache.load(key_parts)
-        if program is not None:
+        if program is not None and takes(program, args):
             return program, "restored"
-    program = fn.lower(*args).compile()
+        if program is not None:
+            logger.warning("executable cache entry for %s does not take the program's "
+                           "arguments; rebuilding it", _name(key_parts))
+    for attempt in range(3):
+        program = fn.lower(*args).compile()
+        if takes(program, args):
+            break
+        logger.warning("compiling %s returned a program for other arguments (attempt %d); "
+                       "compiling again", _name(key_parts), attempt + 1)
+    else:
+        raise RuntimeError(f"compiling {_name(key_parts)} kept returning a program for other "
+                           f"arguments")
     kind = "loaded" if CacheHits.count() > hits0 else "built"
     # Only a fresh XLA compile is stored: on XLA:CPU an executable that came out of
     # JAX's compile cache re-serializes without its JIT-compiled kernels and fails
@@ -90,6 +111,25 @@ def aot_compile(fn: Any, args: tuple, *, exec_cache: ExecutableCache | None,
     if exec_cache is not None and kind == "built":
         exec_cache.store(key_parts, program)
     return program, kind
+
+
+def _name(key_parts: dict | None) -> str:
+    return "a program" if not key_parts else f"program {key_parts['family']} {key_parts['size']}"
+
+
+def takes(program: Any, args: tuple) -> bool:
+    """Whether a compiled program's inputs are `args`: the same pytree structure and each
+    leaf's shape and (canonical) dtype."""
+    try:
+        if program.in_tree != jax.tree.structure((tuple(args), {})):
+            return False
+        got = jax.tree.leaves(program.args_info)
+        want = jax.tree.leaves(tuple(args))
+        return len(got) == len(want) and all(
+            tuple(g.shape) == tuple(w.shape)
+            and g.dtype == jax.dtypes.canonicalize_dtype(w.dtype) for g, w in zip(got, want))
+    except Exception:  # noqa: BLE001 - a program without the introspection: not checkable
+        return True
 
 
 class ProgramTable:
