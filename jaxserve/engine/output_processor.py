@@ -377,6 +377,6 @@ def _whole_output_as_delta(c: _Child) -> None:
     """A finished FINAL_ONLY sample (whose deltas were not kept): its deltas become its
     whole output, as the cumulative fields are."""
     d, lps = c.detok, c.logprobs
-    c.delta_text = d.text[:d.num_emitted] if d is not None else ""
+    c.delta_text = d.output_text if d is not None else ""
     c.delta_ids = list(c.request.output_token_ids)
     c.delta_logprobs = [] if lps is None else list(lps)

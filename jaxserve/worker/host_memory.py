@@ -8,10 +8,10 @@ to the chunk's size (up to 32 MiB) and the trim threshold to twice that. After w
 and the first prefill steps (temporaries of 10-15 MiB) every later step's large buffers
 therefore come from the heaps of XLA's worker threads, which keep them; at 16 x 2048
 tokens that cost ~55 MiB of peak RSS while serving (SmolLM2 Q4_1, f16 KV:
-1225 -> 1170 MiB). Fixing the threshold (a `mallopt` call, the same as glibc's
-MALLOC_MMAP_THRESHOLD_ variable, which also fixes the trim threshold at its default)
-turns the dynamic adjustment off, so buffers of at least `MMAP_THRESHOLD_BYTES` go back
-to the OS when XLA frees them.
+1225 -> 1170 MiB). Fixing the threshold (a `mallopt` call) turns the dynamic adjustment
+off, so buffers of at least `MMAP_THRESHOLD_BYTES` go back to the OS when XLA frees them.
+Unlike glibc's MALLOC_MMAP_THRESHOLD_ variable read at start-up, the call leaves the trim
+threshold where earlier frees in this process (imports) may have raised it.
 
 Only the command-line entry points call `fix_mmap_threshold`: it changes the whole
 process's allocator, which a library (`LLM(...)` in someone else's program) should not
