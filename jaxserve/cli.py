@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -140,6 +141,9 @@ flags.DEFINE_integer("max_lora_rank", 16, "Largest LoRA rank a slot holds (vLLM'
 flags.DEFINE_multi_string("lora_modules", [], "name=path of a PEFT adapter directory to serve "
                           "as model `name` (repeat the flag; vLLM's --lora-modules). Needs "
                           "--max_loras >= 1 (default then 1).")
+flags.DEFINE_bool("engine_process", False, "serve: the engine in its own process (vLLM V1's), "
+                  "apart from the HTTP loop's GIL. Worth it where a step takes a few ms (a "
+                  "GPU); costs a second process's memory.")
 flags.DEFINE_integer("max_queued_requests", None, "Most requests waiting to be scheduled; past "
                      "it new requests get 503 with Retry-After (default: unbounded).")
 
@@ -381,11 +385,29 @@ def cmd_generate() -> int:
     return 0
 
 
+def engine_in_process(argv: Sequence[str]) -> Any:
+    """`--engine_process`'s engine factory, run in the spawned engine process: parse the
+    serve command's own flags there, then `build_engine` as in one process."""
+    FLAGS(list(argv))  # a spawned process starts with no flags parsed
+    configure_logging()
+    return build_engine("progressive")
+
+
 def cmd_serve() -> int:
     from jaxserve.server import serve
 
+    if FLAGS.engine_process and FLAGS.num_processes > 1:
+        raise app.UsageError("--engine_process with --num_processes > 1 is not supported: the "
+                             "multi-host leader steps the followers from the serving process")
+    if FLAGS.engine_process:
+        from jaxserve.server.engine_process import factory_by_name
+
+        factory = functools.partial(factory_by_name, "jaxserve.cli:engine_in_process",
+                                    list(sys.argv))
+    else:
+        factory = lambda: build_engine("progressive")  # noqa: E731
     try:
-        serve(lambda: build_engine("progressive"), host=FLAGS.host, port=FLAGS.port,
+        serve(factory, engine_process=FLAGS.engine_process, host=FLAGS.host, port=FLAGS.port,
               api_key=FLAGS.api_key, max_queued_requests=FLAGS.max_queued_requests,
               served_model_name=FLAGS.served_model_name,
               allowed_weights_dir=FLAGS.allowed_weights_dir,

@@ -18,28 +18,47 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 
 PORT = 8479
 
 
-def serve(clients: int, device_ms: float, stream_interval: int) -> None:
-    """The server process: the bench-host engine (fake runner) behind the OpenAI app."""
+def fake_engine(clients: int, device_ms: float, stream_interval: int) -> Any:
+    """The bench-host engine (fake runner, SmolLM2's tokenizer), frozen as after warm-up."""
     from jaxserve.bench.host import _engine
     from jaxserve.checkpoint.loader import load_tokenizer
     from jaxserve.engine.stats import freeze_gc_heap
-    from jaxserve.server.api_server import serve as run_server
 
     engine = _engine(clients, device_ms, False, load_tokenizer(None),
                      stream_interval=stream_interval)
     freeze_gc_heap()  # as `jaxserve serve` does after warm-up
-    run_server(engine, port=PORT, served_model_name="m", log_level="warning")
+    return engine
+
+
+def serve(clients: int, device_ms: float, stream_interval: int, engine_process: bool) -> None:
+    """The server process: the bench-host engine behind the OpenAI app, on a thread of
+    this process or (engine_process) in a child process of its own."""
+    from jaxserve.server.api_server import serve as run_server
+
+    factory = functools.partial(fake_engine, clients, device_ms, stream_interval)
+    run_server(factory if engine_process else factory(), port=PORT, served_model_name="m",
+               log_level="warning", engine_process=engine_process)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
 
 
 def _thread_cpu(pid: int) -> dict[int, float]:
@@ -65,18 +84,44 @@ def _steps(client: httpx.Client) -> float:
     raise RuntimeError("no num_steps counter in /metrics")
 
 
-async def _client(http: httpx.AsyncClient, max_tokens: int, log: list) -> None:
-    body = {"model": "m", "prompt": "Tell me a long story about the sea.", "stream": True,
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    async with http.stream("POST", f"http://127.0.0.1:{PORT}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            usage = json.loads(line[6:]).get("usage")
-            if usage:
-                log.append((time.perf_counter(), usage["completion_tokens"]))
+async def _client(max_tokens: int, log: list) -> None:
+    """One streaming client on a bare asyncio socket: the 64 clients share this machine's
+    2 cores with the server, and httpx + json per SSE event cost about as much CPU as the
+    server's own work per event. Each read logs (time, completion_tokens of its last
+    event, the events in it); the token count is read from the usage's bytes."""
+    body = json.dumps({
+        "model": "m", "prompt": "Tell me a long story about the sea.", "stream": True,
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", PORT)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                 + body)
+    key, tail = b'"completion_tokens":', b""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"server answered {head[:40]!r}")
+        while True:
+            chunk = await reader.read(1 << 16)
+            if not chunk:
+                return
+            buf = tail + chunk  # a pattern split across two reads is found in the second
+            at = buf.rfind(key)
+            if at >= 0 and buf.find(b",", at) > 0:
+                n = int(buf[at + len(key):buf.find(b",", at)])
+                log.append((time.perf_counter(), n, chunk.count(b"data: {")))
+            if b"data: [DONE]" in buf:
+                return
+            tail = buf[-64:]
+    finally:
+        writer.close()
+
+
+def _server_cpu(pid: int) -> dict[tuple[int, int], float]:
+    """CPU seconds of each thread of the server and of its engine process, if any, keyed
+    (process, thread)."""
+    return {(p, t): c for p in [pid] + _children(pid) for t, c in _thread_cpu(p).items()}
 
 
 async def _run(clients: int, max_tokens: int, pid: int) -> tuple[list[list], float, float,
@@ -90,17 +135,17 @@ async def _run(clients: int, max_tokens: int, pid: int) -> tuple[list[list], flo
         while not all(logs):
             await asyncio.sleep(0.005)
         steps_at["start"] = (time.perf_counter(), await asyncio.to_thread(_steps, sync))
-        cpu_at["start"] = _thread_cpu(pid)
+        cpu_at["start"] = _server_cpu(pid)
+        cpu_at["clients0"] = time.process_time()
 
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        tasks = [asyncio.create_task(_client(http, max_tokens, logs[i])) for i in range(clients)]
-        watcher = asyncio.create_task(watch())
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        steps_at["end"] = (time.perf_counter(), _steps(sync))
-        cpu_at["end"] = _thread_cpu(pid)
-        await watcher
-        await asyncio.gather(*tasks)
+    tasks = [asyncio.create_task(_client(max_tokens, logs[i])) for i in range(clients)]
+    watcher = asyncio.create_task(watch())
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    steps_at["end"] = (time.perf_counter(), _steps(sync))
+    cpu_at["end"] = _server_cpu(pid)
+    cpu_at["end"]["clients"] = time.process_time() - cpu_at["clients0"]
+    await watcher
+    await asyncio.gather(*tasks)
     (t0, s0), (t1, s1) = steps_at["start"], steps_at["end"]
     return logs, t0, t1, s0, s1, cpu_at["start"], cpu_at["end"]
 
@@ -111,14 +156,17 @@ def main() -> int:
     ap.add_argument("--device_ms", type=float, default=1.0)
     ap.add_argument("--max_tokens", type=int, default=600)
     ap.add_argument("--stream_interval", type=int, default=1)
+    ap.add_argument("--engine_process", action="store_true",
+                    help="the engine in its own process (jaxserve serve --engine_process)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
-        serve(a.clients, a.device_ms, a.stream_interval)
+        serve(a.clients, a.device_ms, a.stream_interval, a.engine_process)
         return 0
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     cmd = [sys.executable, __file__, "--serve", f"--clients={a.clients}",
            f"--device_ms={a.device_ms}", f"--stream_interval={a.stream_interval}"]
+    cmd += ["--engine_process"] if a.engine_process else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -138,21 +186,26 @@ def main() -> int:
     window = t1 - t0
     gained, events = [], []
     for log in logs:  # tokens and events inside [t0, t1]
-        inside = [(t, n) for t, n in log if t0 <= t <= t1]
-        before = [n for t, n in log if t < t0]
+        inside = [(t, n, e) for t, n, e in log if t0 <= t <= t1]
+        before = [n for t, n, _ in log if t < t0]
         gained.append((inside[-1][1] if inside else 0) - (before[-1] if before else 0))
-        events.append(len(inside))
+        events.append(sum(e for _, _, e in inside))
     n = len(logs)
     period = window / max(s1 - s0, 1) * 1e3
     steps = max(s1 - s0, 1)
-    used = {tid: c1[tid] - c0.get(tid, 0.0) for tid in c1}
-    main_ms = used.pop(proc.pid, 0.0) / steps * 1e3
+    clients_ms = c1.pop("clients") / max(s1 - s0, 1) * 1e3
+    used = {k: c1[k] - c0.get(k, 0.0) for k in c1}
+    main_ms = used.pop((proc.pid, proc.pid), 0.0) / steps * 1e3
     engine_ms = max(used.values(), default=0.0) / steps * 1e3
+    api_ms = main_ms + sum(c for (p, _), c in used.items() if p == proc.pid) / steps * 1e3
+    other_ms = sum(c for (p, _), c in used.items() if p != proc.pid) / steps * 1e3
     print(f"clients={n} D={a.device_ms:g} ms stream_interval={a.stream_interval}: window "
           f"{window:.2f} s, tokens/request/s {sum(gained) / n / window:.1f} (goal "
           f"{1000 / a.device_ms:.0f}), SSE events/request/s {sum(events) / n / window:.1f}, "
           f"engine period {period:.2f} ms ({s1 - s0:.0f} steps); server CPU per step: HTTP loop "
-          f"{main_ms:.2f} ms, engine thread {engine_ms:.2f} ms; load after "
+          f"{main_ms:.2f} ms, busiest other thread {engine_ms:.2f} ms, server process "
+          f"{api_ms:.2f} ms, engine process {other_ms:.2f} ms; the clients' process "
+          f"{clients_ms:.2f} ms; load after "
           f"{os.getloadavg()[0]:.2f}")
     return 0
 

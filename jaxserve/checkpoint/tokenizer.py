@@ -386,6 +386,18 @@ class Tokenizer:
             raise ValueError(f"token ids {bad[:5]} outside [0, vocab_size={self.vocab_size})")
         return out
 
+    def __getstate__(self) -> dict:
+        """Pickle support (the server's engine process sends its tokenizer to the API
+        process): the compiled jinja template is dropped and rebuilt from its source."""
+        state = dict(self.__dict__)
+        state["_template"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.chat_template:
+            self._template = _checked_template(self.chat_template, self.source)
+
     def __repr__(self) -> str:
         return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
                 f"bos_token_id={self.bos_token_id}, eos_token_id={self.eos_token_id})")

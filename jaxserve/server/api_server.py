@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxserve.server.admin import install_admin_routes
 from jaxserve.server.lora_routes import install_lora_routes
 from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.engine_process import ProcessAsyncEngine
 from jaxserve.server.metrics import ServerMetrics, token_bucket_stats
 from jaxserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
@@ -132,7 +133,7 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
               max_queued_requests: int | None = None, allowed_weights_dir: str | None = None,
               params_cache_dir: str | None = None, tool_call_parser: str = "auto",
               reasoning_parser: str | None = None,
-              enable_auto_tool_choice: bool = True) -> FastAPI:
+              enable_auto_tool_choice: bool = True, engine_process: bool = False) -> FastAPI:
     """Build the FastAPI app around an engine (or a zero-arg factory that builds one).
 
     The app's lifespan starts the engine loop thread (the factory, if given,
@@ -152,9 +153,13 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
         (`jaxserve.server.admin`; it exists only with an api_key).
       tool_call_parser, reasoning_parser, enable_auto_tool_choice: vLLM's chat options
         (`jaxserve.server.serving_chat.ChatServing`).
+      engine_process: run the engine in its own process (`ProcessAsyncEngine`, vLLM V1's
+        engine-core process); `engine_or_factory` must then be a picklable factory.
 
     Raises:
-      ValueError: an empty served_model_name list, an unknown parser name.
+      ValueError: an empty served_model_name list, an unknown parser name, an engine
+        object with engine_process.
+      TypeError: an engine_process factory that cannot be pickled.
     """
     if served_model_name is None:
         names: list[str] = []  # resolved to engine.model_name once the engine exists
@@ -165,10 +170,10 @@ def build_app(engine_or_factory: Any, *, served_model_name: str | Sequence[str] 
         if not names:
             raise ValueError("served_model_name must name at least one model (or be None)")
     holder: dict[str, Any] = {}
-    aengine = AsyncEngine(engine_or_factory,
-                          on_step=lambda s: holder["metrics"].on_step(s),
-                          on_finished=lambda d: holder["metrics"].on_finished(d),
-                          max_queued_requests=max_queued_requests)
+    aengine = (ProcessAsyncEngine if engine_process else AsyncEngine)(
+        engine_or_factory, on_step=lambda s: holder["metrics"].on_step(s),
+        on_finished=lambda d: holder["metrics"].on_finished(d),
+        max_queued_requests=max_queued_requests)
     metrics = holder["metrics"] = ServerMetrics(lambda: {**aengine.stats, **aengine.readiness()})
 
     @contextlib.asynccontextmanager
@@ -296,7 +301,8 @@ def serve(engine_or_factory: Any, *, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", timeout_graceful_shutdown: float = 5.0,
           max_queued_requests: int | None = None, allowed_weights_dir: str | None = None,
           params_cache_dir: str | None = None, tool_call_parser: str = "auto",
-          reasoning_parser: str | None = None, enable_auto_tool_choice: bool = True) -> None:
+          reasoning_parser: str | None = None, enable_auto_tool_choice: bool = True,
+          engine_process: bool = False) -> None:
     """Run the server until SIGTERM/SIGINT; returns after a clean shutdown.
 
     Args:
@@ -310,14 +316,16 @@ def serve(engine_or_factory: Any, *, host: str = "127.0.0.1", port: int = 8000,
       max_queued_requests: bound on waiting requests (503 + Retry-After past it).
       allowed_weights_dir: the only directory the admin weight-load route reads.
       params_cache_dir: the params cache that route's loads use (None: off).
-      tool_call_parser, reasoning_parser, enable_auto_tool_choice: see `build_app`.
+      tool_call_parser, reasoning_parser, enable_auto_tool_choice, engine_process: see
+        `build_app`.
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(engine_or_factory, served_model_name=served_model_name, api_key=api_key,
                     host=host, port=port, max_queued_requests=max_queued_requests,
                     allowed_weights_dir=allowed_weights_dir, params_cache_dir=params_cache_dir,
                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                    enable_auto_tool_choice=enable_auto_tool_choice)
+                    enable_auto_tool_choice=enable_auto_tool_choice,
+                    engine_process=engine_process)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=timeout_graceful_shutdown)
     server = JaxserveServer(config)

@@ -12,7 +12,6 @@ order; only how they are grouped into events changes (as with `--stream_interval
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections import deque
 from typing import Any
 
@@ -29,8 +28,8 @@ def _merge_completion(a: Any, b: Any) -> Any:
         logprobs = b.logprobs if a.logprobs is None else a.logprobs
     else:
         logprobs = a.logprobs + b.logprobs
-    return dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
-                               logprobs=logprobs)
+    return b._replace(text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+                      logprobs=logprobs)
 
 
 def merge_deltas(a: Any, b: Any) -> Any:
@@ -43,7 +42,7 @@ def merge_deltas(a: Any, b: Any) -> Any:
         prev = by_index.pop(c.index, None)
         outputs.append(c if prev is None else _merge_completion(prev, c))
     outputs = tuple(sorted([*outputs, *by_index.values()], key=lambda c: c.index))
-    return dataclasses.replace(b, outputs=outputs, prompt_logprobs=(
+    return b._replace(outputs=outputs, prompt_logprobs=(
         b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs))
 
 

@@ -46,7 +46,7 @@ def _free_port() -> int:
 class Server:
     """One `jaxserve serve` subprocess with the given cache dirs (and fault, if any)."""
 
-    def __init__(self, caches: Path, fault: str | None = None):
+    def __init__(self, caches: Path, fault: str | None = None, extra: tuple[str, ...] = ()):
         self.port = _free_port()
         env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_FAULT"}
         if fault:
@@ -57,7 +57,7 @@ class Server:
             [sys.executable, "-m", "jaxserve.cli", "serve", f"--model={MODEL}",
              f"--port={self.port}", f"--params_cache_dir={caches / 'params'}",
              f"--compile_cache_dir={caches / 'compile'}",
-             f"--executable_cache_dir={caches / 'executable'}", *SERVE_ARGS],
+             f"--executable_cache_dir={caches / 'executable'}", *SERVE_ARGS, *extra],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -209,3 +209,52 @@ def test_damaged_caches_are_rebuilt(reference, tmp_path):
     assert _serve_and_answer(tmp_path) == want
     # The entry was rebuilt: a further start restores it without converting.
     assert _serve_and_answer(tmp_path) == want
+
+
+def _engine_children(pid: int) -> list[int]:
+    """The engine process(es) of server `pid`."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    out = []
+    for k in kids:
+        try:
+            cmd = Path(f"/proc/{k}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"jaxserve.server.engine_process" in cmd:
+            out.append(int(k))
+    return out
+
+
+def _gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited, not yet reaped by its (dead) parent's reaper
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_engine_process_answers_the_same_and_never_outlives_its_server(reference, tmp_path):
+    """`serve --engine_process`: the same greedy answers; SIGTERM stops both processes
+    cleanly, and after a SIGKILL of the server its engine process exits by itself."""
+    want, warm = reference
+    for d in ("params", "compile", "executable"):
+        shutil.copytree(warm / d, tmp_path / d)
+    for how in ("sigterm", "sigkill"):
+        srv = Server(tmp_path, extra=("--engine_process",))
+        try:
+            srv.wait_healthy()
+            engines = _engine_children(srv.proc.pid)
+            assert len(engines) == 1, srv.tail()
+            assert srv.greedy() == want
+        finally:
+            srv.stop() if how == "sigterm" else srv.kill()
+        assert srv.proc.returncode == (0 if how == "sigterm" else -signal.SIGKILL), srv.tail()
+        assert _gone(engines[0]), f"engine process {engines[0]} outlived the server ({how})"

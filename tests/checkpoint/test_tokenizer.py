@@ -45,6 +45,18 @@ def test_chat_template_matches_hf(tok, case):
     assert tok.apply_chat_template(case["messages"]) == case["ids"]
 
 
+def test_pickled_copy_matches_the_hf_golden(tok):
+    """The engine process sends its tokenizer to the API process (`--engine_process`)."""
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(tok))
+    for case in GOLDEN["plain"][:4]:
+        assert copy.encode(case["text"]) == case["ids"]
+    for case in GOLDEN["chat"][:2]:
+        assert copy.apply_chat_template(case["messages"], tokenize=False) == case["text"]
+    assert (copy.eos_token_id, copy.vocab_size) == (tok.eos_token_id, tok.vocab_size)
+
+
 def test_decode_skips_special_tokens(tok):
     ids = tok.apply_chat_template([{"role": "user", "content": "héllo 😀"}])
     text = tok.decode(ids)

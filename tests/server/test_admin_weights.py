@@ -168,3 +168,28 @@ def test_update_inside_a_pause_serves_waiting_requests_the_new_weights(engine, c
         assert box["toks"] == greedy_reference(ckpts / "B", 4)
         r = update(srv, "A")  # in_flight defaults to "abort"; nothing in flight
         assert r.status_code == 200 and complete(srv) == greedy_reference(ckpts / "A", 4)
+
+
+def _engine_of(path: Path) -> LLMEngine:
+    cfg, params, tok = load_model(path, cache_dir=None, progress=False)
+    config = make_engine_config(cfg, max_model_len=64, block_size=4, num_kv_blocks=64,
+                                max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,),
+                                seq_buckets=(2,), attention_backend="xla",
+                                enable_prompt_logprobs=False)
+    return LLMEngine(config, params, tok, model_name="m", progress=False)
+
+
+def test_update_reaches_an_engine_in_its_own_process(ckpts):
+    """engine_process=True: the loaded tree crosses to the engine process with the call."""
+    import functools
+
+    with running_server(functools.partial(_engine_of, ckpts / "A"), served_model_name="m",
+                        api_key=KEY, allowed_weights_dir=str(ckpts), engine_process=True) as srv:
+        assert complete(srv) == greedy_reference(ckpts / "A", 4)
+        r = update(srv, "B")
+        assert r.status_code == 200, r.text
+        assert r.json()["weight_version"] == 1
+        assert complete(srv) == greedy_reference(ckpts / "B", 4)
+        r = update(srv, "other_shape")  # the engine's ValueError, raised in its process
+        assert r.status_code == 400 and "other_shape" in r.json()["error"]["message"]
+        assert complete(srv) == greedy_reference(ckpts / "B", 4)

@@ -5,8 +5,11 @@ of the hand-merged weights)."""
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 import numpy as np
+import pytest
 
 from conftest import tiny_engine, tiny_params
 from lora.helpers import merged_params, random_adapter
@@ -42,15 +45,19 @@ def _ids(srv, r):
             for t in r.json()["choices"][0]["logprobs"]["tokens"]]
 
 
-def test_load_serve_unload_adapter(tmp_path):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+def test_load_serve_unload_adapter(tmp_path, engine_process):
     cfg, _ = tiny_params()
     tree = random_adapter(cfg, 4, seed=70, targets=["wq", "wv", "w_down"])
     allowed = tmp_path / "allowed"
     write_peft_dir(allowed / "a1", tree, rank=4)
     write_peft_dir(allowed / "big", random_adapter(cfg, 17, seed=71), rank=17)
     write_peft_dir(tmp_path / "outside", tree, rank=4)
-    eng = tiny_engine(max_loras=2, max_lora_rank=16)
-    with running_server(eng, api_key=KEY, allowed_weights_dir=str(allowed)) as srv:
+    # In its own process the engine is built there; the adapters' names come back with
+    # each call's result (`EngineView.lora`).
+    eng = functools.partial(tiny_engine, max_loras=2, max_lora_rank=16)
+    with running_server(eng if engine_process else eng(), api_key=KEY,
+                        allowed_weights_dir=str(allowed), engine_process=engine_process) as srv:
         post = lambda route, body: httpx.post(srv.url(route), headers=AUTH, json=body,  # noqa
                                               timeout=60)
         r = post("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "a1"})
@@ -71,7 +78,7 @@ def test_load_serve_unload_adapter(tmp_path):
         assert r.status_code == 200, r.text
         assert _complete(srv, "sql").status_code == 400  # model_not_found
         assert post("/v1/unload_lora_adapter", {"lora_name": "sql"}).status_code == 404
-    assert not eng.lora.list_loras()
+        assert not srv.engine.lora.list_loras()  # the engine's (or the process's view)
 
 
 def test_lora_routes_need_the_api_key():
