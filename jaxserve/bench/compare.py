@@ -54,8 +54,8 @@ from typing import Any, Sequence
 
 from jaxserve.bench.compare_configs import CONFIGS, PAIRS, configs_for, server_command
 from jaxserve.bench.servers import (LLAMA_CPP_PYTHON_VERSION, ensure_f32_gguf, ensure_llama_build,
-                                    exit_on_signal, free_port, live_servers, parse_proc_status,
-                                    start_server, stop_server, uptime)
+                                    exit_on_signal, free_port, live_servers, start_server,
+                                    stop_server, tree_proc_status, uptime)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -274,7 +274,7 @@ def drive(srv: Running, case: Case, args: argparse.Namespace) -> dict[str, Any]:
     s = run_client(srv.port, resolve_trace(case.trace, args.traces_dir), case,
                    args.out_dir / f"{tag}.json", args.num_prompts, args.request_timeout_s)
     load_after = uptime()
-    rss = parse_proc_status(Path(f"/proc/{srv.proc.pid}/status").read_text())
+    rss = tree_proc_status(srv.proc.pid)  # with its engine process, if any
     srv.runs += 1
     kv = parse_kv_log(srv.log_path.read_text(errors="replace"), srv.engine)
     if kv is None and CONFIGS[srv.engine].engine == "llama.cpp":

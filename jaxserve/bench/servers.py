@@ -110,6 +110,25 @@ def parse_proc_status(text: str) -> dict[str, float]:
     return out
 
 
+def tree_proc_status(pid: int) -> dict[str, float]:
+    """`parse_proc_status` summed over process `pid` and its descendants (a server whose
+    engine runs in a child process, `jaxserve serve --engine_process`). The summed
+    VmHWM is an upper bound of the tree's peak (the peaks may fall at different times)."""
+    out: dict[str, float] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            st = parse_proc_status(Path(f"/proc/{p}/status").read_text())
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:  # exited meanwhile
+            continue
+        for k, v in st.items():
+            out[k] = out.get(k, 0.0) + v
+        todo += [int(k) for k in kids]
+    return out
+
+
 def uptime() -> str:
     """`uptime`'s line: wall time and the 1/5/15-minute load averages."""
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()

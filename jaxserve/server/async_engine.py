@@ -101,6 +101,9 @@ class AddRequestError(ValueError):
         super().__init__(str(cause))
         self.index = index
 
+    def __reduce__(self) -> tuple:  # pickled by the engine process (`engine_process`)
+        return AddRequestError, (self.index, ValueError(str(self)))
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds `max_queued_requests`; the server answers 503 + Retry-After."""

@@ -10,32 +10,36 @@ seam, so nothing else in the server changes:
   `call`, `RequestGroup` streams with their `OutputCollector`s, `stats`, `readiness`,
   `start` / `begin_shutdown` / `stop`. Its command queue is a pipe to the child, and a
   reader thread hands each message's deltas to the event loop.
-- The child (`python -m jaxserve.server.engine_process`, a fresh interpreter: no JAX
-  state is ever forked, and the serving script is not re-imported) runs the unchanged `AsyncEngine` loop: the engine's steps, its output
-  processing (detokenizer, stop strings, `RequestOutput`s) and the per-step
-  `RequestDelta` snapshots, which it sends as one message a step together with the
-  engine's stats.
+- The child (`python -m jaxserve.server.engine_main`, a fresh interpreter: no JAX
+  state is ever forked, and the serving script is not re-imported) runs the unchanged
+  `AsyncEngine` loop: the engine's steps, its output processing (detokenizer, stop
+  strings, `RequestOutput`s) and the per-step `RequestDelta` snapshots, which it sends
+  as one message a step together with the engine's stats.
 
-What crosses the socket (`multiprocessing.connection.Connection`, pickle): the engine factory and the
-functions of `call(fn)` as cloudpickle bytes (they are closures); `EngineRequest`s and
-abort ids one way; `RequestDelta`s (this step's new tokens and text only), stats dicts,
-warm-up progress and call results the other. `engine` in the API process is an
-`EngineView`: the config, model name and tokenizer the routes read, and the LoRA adapter
-names as of the last call.
+What crosses the socket (`multiprocessing.connection.Connection`, pickle): the engine
+factory and the functions of `call(fn)` as cloudpickle bytes (they are closures; sent
+from a worker thread, so a weight tree does not stall the event loop); `EngineRequest`s
+and abort ids one way; `RequestDelta`s (this step's new tokens and text only, as plain
+tuples), stats dicts, warm-up progress and call results the other. `engine` in the API
+process is an `EngineView`: the config, model name and tokenizer the routes read, and
+the LoRA adapter names as of the last call.
 
-If the engine process dies, every open stream ends with a 500 error event, pending
-calls raise, and /health reports the engine failed; the process is never restarted.
+If the engine process dies, or sends what cannot be read or sent ("fatal"), it is
+killed, every open stream ends with a 500 error event, pending calls raise, and /health
+reports the engine failed; the process is never restarted. Not carried over: a `call`
+whose caller gives up after it was sent still runs (in-thread, one still queued is
+skipped); warm-up progress is up to 0.25 s old.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import importlib
 import itertools
 import logging
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -51,8 +55,6 @@ from jaxserve.server.async_engine import AsyncEngine, CompletionDelta, RequestDe
 
 logger = logging.getLogger(__name__)
 
-# Seconds between two warm-up progress messages of the engine process.
-_READINESS_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -103,19 +105,6 @@ class EngineView:
         return self._grammars
 
 
-def _view_of(engine: Any) -> dict:
-    lora = getattr(engine, "lora", None)
-    return dict(config=engine.config, model_name=getattr(engine, "model_name", "jaxserve"),
-                tokenizer=getattr(engine, "tokenizer", None),
-                eos_token_ids=getattr(engine, "eos_token_ids", None),
-                lora=None if lora is None else _LoRANames(_lora_names(engine)))
-
-
-def _lora_names(engine: Any) -> list[str] | None:
-    lora = getattr(engine, "lora", None)
-    return None if lora is None else [r.lora_name for r in lora.list_loras()]
-
-
 def _plain(d: RequestDelta) -> tuple:
     """A delta as nested plain tuples: pickled ~10x faster than the NamedTuples (whose
     pickle names their class once per object); `_delta` makes them again."""
@@ -124,146 +113,6 @@ def _plain(d: RequestDelta) -> tuple:
 
 def _delta(p: tuple) -> RequestDelta:
     return RequestDelta(p[0], tuple(map(CompletionDelta._make, p[1])), *p[2:])
-
-
-# ----------------------------------------------------------------------- the child
-class _ChildLoop(AsyncEngine):
-    """`AsyncEngine`'s loop in the engine process: outputs, finished requests and stats
-    go to the pipe, one message per step, instead of to an event loop."""
-
-    def __init__(self, conn: Any, factory: Callable[[], Any], max_queued_requests: int | None):
-        self._conn = conn
-        self._send_lock = threading.Lock()
-        self._out: list[RequestDelta] = []
-        self._fin: list[RequestDelta] = []
-        self._in_step = False
-        super().__init__(factory, on_finished=self._fin.append,
-                         max_queued_requests=max_queued_requests)
-
-    def send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
-
-    def _send(self, deltas: list[RequestDelta]) -> None:
-        self._out += deltas
-
-    def _step(self) -> None:
-        self._in_step = True
-        try:
-            super()._step()
-        finally:
-            self._in_step = False
-        self.flush(stepped=True)
-
-    def _refresh_stats(self) -> None:
-        super()._refresh_stats()
-        if not self._in_step:
-            self.flush(stepped=False)
-
-    def flush(self, stepped: bool) -> None:
-        out, self._out = self._out, []
-        fin, self._fin[:] = list(self._fin), []
-        self.send(("out", [_plain(d) for d in out], [_plain(d) for d in fin], self.stats,
-                   stepped))
-
-    def reply(self, call_id: int, fut: concurrent.futures.Future) -> None:
-        """Send a command's result (or its exception) back; runs where `fut` completes."""
-        exc = fut.exception()
-        value = None if exc is not None else fut.result()
-        names = _lora_names(self.engine) if self.engine is not None else None
-        try:
-            payload = pickle.dumps((exc, value))
-        except Exception as e:  # noqa: BLE001 - an unpicklable result is the caller's error
-            payload = pickle.dumps((RuntimeError(f"engine call result could not be sent: "
-                                                 f"{type(e).__name__}: {e}"), None))
-        self.send(("result", call_id, payload, names))
-
-    def readiness_loop(self) -> None:
-        """Send warm-up progress while it changes (progressive warm-up compiles on after
-        the engine serves)."""
-        last = None
-        while not self._stop.wait(_READINESS_POLL_S):
-            try:
-                now = self.readiness()
-            except Exception:  # noqa: BLE001 - progress is informational
-                logger.exception("readiness failed")
-                return
-            if now != last:
-                self.send(("readiness", now))
-                last = now
-            if now.get("warmup_done"):
-                return
-
-    def handle(self, msg: tuple) -> bool:
-        """One command from the API process; False once it says stop."""
-        kind = msg[0]
-        if kind in ("add", "call"):
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            fut.add_done_callback(lambda f, cid=msg[2]: self.reply(cid, f))
-            try:
-                arg = cloudpickle.loads(msg[1]) if kind == "call" else msg[1]
-            except Exception as e:  # noqa: BLE001 - e.g. a module this process lacks
-                fut.set_exception(RuntimeError(f"engine call could not be received: "
-                                               f"{type(e).__name__}: {e}"))
-                return True
-            self._commands.put((kind, arg, fut))
-        elif kind in ("abort", "abort_all"):
-            self._commands.put(msg)
-        elif kind == "stop":
-            return False
-        return True
-
-
-def _child_main(fd: int) -> None:
-    """The engine process (`python -m jaxserve.server.engine_process FD`): read the init
-    message (the factory, the API process's sys.path and log level) from the socket
-    `fd`, build the engine on the loop thread, serve commands until "stop" or until the
-    API process is gone, then exit. Ctrl-C reaches the whole process group: the API
-    process's shutdown stops this one, so SIGINT is ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn = Connection(fd)
-    _, factory_blob, max_queued_requests, log_level, path = conn.recv()
-    sys.path[:] = path  # what the factory's modules were imported from (tests, scripts)
-    try:  # tqdm's default lock is a multiprocessing semaphore, which `os._exit` would leak
-        import tqdm
-
-        tqdm.tqdm.set_lock(threading.RLock())
-    except ImportError:
-        pass
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s "
-                        "[engine process]: %(message)s")
-    child = _ChildLoop(conn, cloudpickle.loads(factory_blob), max_queued_requests)
-    child.start(None)  # type: ignore[arg-type] - no event loop here: `_send` buffers
-    progress = threading.Thread(target=child.readiness_loop, name="jaxserve-readiness",
-                                daemon=True)
-    progress.start()
-
-    def announce() -> None:  # from a thread: the pipe keeps being read meanwhile
-        child.wait_ready()
-        if child.state == "ready":
-            child.send(("ready", _view_of(child.engine)))
-        else:
-            child.send(("failed", child.error))
-
-    threading.Thread(target=announce, name="jaxserve-announce", daemon=True).start()
-    try:
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):  # the API process is gone: nobody to serve
-                logger.warning("API process gone; stopping the engine")
-                break
-            if not child.handle(msg):
-                break
-        child.stop()
-        child.flush(stepped=False)  # what the shutdown's abort_all ended
-        child.send(("stopped",))
-    except (BrokenPipeError, EOFError, OSError):
-        pass
-    finally:
-        # Daemon threads may be inside a compile; nothing here needs an orderly
-        # interpreter shutdown.
-        os._exit(0)
 
 
 def factory_by_name(target: str, *args: Any) -> Any:
@@ -277,6 +126,10 @@ def factory_by_name(target: str, *args: Any) -> Any:
 
 
 # ----------------------------------------------------------------------- the API side
+class _Fatal(Exception):
+    """The engine process said it cannot go on (a message it could not pickle)."""
+
+
 class _PipeCommands:
     """`AsyncEngine._commands` for the API process: each `put` goes to the pipe; the
     futures of "add" and "call" wait for the engine process's "result"."""
@@ -291,6 +144,8 @@ class _PipeCommands:
         if kind in ("add", "call"):
             cid = next(self._ids)
             fut = cmd[2]
+            if fut.cancelled():  # its caller went away before it was sent
+                return
             owner.calls[cid] = fut
             try:
                 arg = cloudpickle.dumps(cmd[1]) if kind == "call" else cmd[1]
@@ -358,11 +213,13 @@ class ProcessAsyncEngine(AsyncEngine):
         """Start the engine process and the thread that reads its messages."""
         self._loop = loop
         ours, theirs = socket.socketpair()
-        root = str(Path(__file__).resolve().parents[2])  # where `jaxserve` imports from
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        env = dict(os.environ)
+        root = Path(__file__).resolve().parents[2]
+        if (root / "pyproject.toml").exists():  # a source checkout: `jaxserve` imports from it
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.server.engine_process", str(theirs.fileno())],
+            [sys.executable, "-m", "jaxserve.server.engine_main", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env)
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -394,6 +251,27 @@ class ProcessAsyncEngine(AsyncEngine):
                 self._proc.kill()
                 self._proc.wait(5)
         self.state = "stopped"
+        if self._thread is not None:
+            self._thread.join(5)
+        self.conn.close()
+        grammars = getattr(self.engine, "_grammars", None)
+        if grammars is not None:
+            grammars.close()
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """`AsyncEngine.call`, with `fn` pickled and sent from a worker thread: a closure
+        that holds a whole weight tree (the admin update) must not stall the event loop
+        while it is copied to the engine process.
+
+        Raises:
+          RuntimeError: the engine is not ready, or its process died.
+          TypeError: `fn` cannot be pickled.
+        """
+        if not self.is_ready:
+            raise RuntimeError(f"engine is {self.state}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        await asyncio.to_thread(self._commands.put, ("call", fn, fut))
+        return await asyncio.wrap_future(fut)
 
     def readiness(self) -> dict:
         """The engine process's warm-up progress as last reported ({} before it)."""
@@ -401,34 +279,53 @@ class ProcessAsyncEngine(AsyncEngine):
 
     # ------------------------------------------------------------------ the reader
     def _read(self) -> None:
+        """The reader thread. Whatever ends it but the "stopped" reply (the socket
+        closing, a message this process cannot read, a "fatal" one) is the engine
+        process's death: it is killed, and every call and stream waiting on it fails."""
+        why = None
         while True:
             try:
                 msg = self.conn.recv()
+                if self._handle(msg):
+                    return
             except (EOFError, OSError):
                 break
-            kind = msg[0]
-            if kind == "out":
-                _, deltas, fins, stats, stepped = msg
-                deltas, fins = [_delta(p) for p in deltas], [_delta(p) for p in fins]
-                self.stats = stats
-                self._call_loop(self._on_out, deltas, fins, stepped, stats)
-            elif kind == "result":
-                _, cid, payload, names = msg
-                self._on_result(cid, payload, names)
-            elif kind == "readiness":
-                self._readiness = msg[1]
-            elif kind == "ready":
-                self.engine = EngineView(**msg[1])
-                if self.state == "starting":
-                    self.state = "ready"
-                self._ready.set()
-            elif kind == "failed":
-                self.error, self.state = msg[1], "failed"
-                self._ready.set()
-            elif kind == "stopped":
-                self._stopped.set()
-                return
-        self._on_death()
+            except _Fatal as e:
+                why = str(e)
+                break
+            except Exception as e:  # noqa: BLE001 - e.g. an unpicklable message
+                logger.exception("engine process message unreadable")
+                why = f"a message from the engine process was unreadable: {type(e).__name__}: {e}"
+                break
+        self._on_death(why)
+
+    def _handle(self, msg: tuple) -> bool:
+        """One message from the engine process; True once it has stopped."""
+        kind = msg[0]
+        if kind == "out":
+            _, deltas, fins, stats, stepped = msg
+            deltas, fins = [_delta(p) for p in deltas], [_delta(p) for p in fins]
+            self.stats = stats
+            self._call_loop(self._on_out, deltas, fins, stepped, stats)
+        elif kind == "result":
+            _, cid, payload, names = msg
+            self._on_result(cid, payload, names)
+        elif kind == "readiness":
+            self._readiness = msg[1]
+        elif kind == "ready":
+            self.engine = EngineView(**msg[1])
+            if self.state == "starting":
+                self.state = "ready"
+            self._ready.set()
+        elif kind == "failed":
+            self.error, self.state = msg[1], "failed"
+            self._ready.set()
+        elif kind == "fatal":
+            raise _Fatal(msg[1])
+        elif kind == "stopped":
+            self._stopped.set()
+            return True
+        return False
 
     def _on_out(self, deltas: list[RequestDelta], fins: list[RequestDelta], stepped: bool,
                 stats: dict) -> None:
@@ -456,24 +353,29 @@ class ProcessAsyncEngine(AsyncEngine):
         except concurrent.futures.InvalidStateError:  # cancelled meanwhile
             pass
 
-    def _on_death(self) -> None:
-        """The engine process exited without being asked: fail what waits on it."""
+    def _on_death(self, why: str | None = None) -> None:
+        """The engine process is gone or unusable (`why`): kill it if it still runs, then
+        fail what waits on it. During `stop()` only the waiting is failed, silently."""
         self.dead = True
-        self._stopped.set()
         code = None
         if self._proc is not None:
+            if why is not None and self._proc.poll() is None:
+                self._proc.kill()
             try:
                 code = self._proc.wait(1.0)
             except subprocess.TimeoutExpired:
                 pass
-        self.error = f"the engine process exited unexpectedly (exit code {code})"
-        logger.error("%s", self.error)
-        if self.state in ("starting", "ready"):
+        stopping = self.state in ("stopping", "stopped")
+        if not (self.state == "failed" and self.error):  # a "failed" message said why
+            self.error = why or f"the engine process exited unexpectedly (exit code {code})"
+        if not stopping:
+            logger.error("%s", self.error)
             self.state = "failed"
+        self._stopped.set()
         self._ready.set()
         for cid in list(self.calls):
-            fut = self.calls.pop(cid)
-            if not fut.done():
+            fut = self.calls.pop(cid, None)  # `fail_call` may have taken it meanwhile
+            if fut is not None and not fut.done():
                 fut.set_exception(RuntimeError(self.error))
         self._call_loop(self._fail_groups, self.error)
 
@@ -499,9 +401,3 @@ class ProcessAsyncEngine(AsyncEngine):
                 self._loop.call_soon_threadsafe(fn, *args)
             except RuntimeError:  # loop closed during shutdown
                 pass
-
-
-if __name__ == "__main__":  # the module's own copy: what it pickles names its real module
-    from jaxserve.server import engine_process
-
-    engine_process._child_main(int(sys.argv[1]))

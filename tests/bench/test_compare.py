@@ -7,8 +7,10 @@ Python HTTP stub, to check start-up, PID stop and the /proc read).
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -127,6 +129,30 @@ def test_parse_proc_status():
     text = "Name:\tpython\nVmPeak:\t 9999999 kB\nVmHWM:\t 1484800 kB\nVmRSS:\t 1024000 kB\n"
     # kB / 1024: 1484800 / 1024 = 1450.0 MiB, 1024000 / 1024 = 1000.0 MiB; VmPeak (virtual) ignored
     assert servers.parse_proc_status(text) == {"VmHWM": 1450.0, "VmRSS": 1000.0}
+
+
+def test_tree_proc_status_adds_the_child_processes(tmp_path):
+    """A server's engine process (`--engine_process`) counts in its RSS: a child holding
+    64 MiB makes the tree's peak at least this process's plus the child's."""
+    import subprocess
+
+    ready = tmp_path / "ready"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, time; x = bytearray(64 << 20); x[::4096] = b'1' * len(x[::4096]); "
+        f"pathlib.Path({str(ready)!r}).touch(); time.sleep(30)")])
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        own = servers.parse_proc_status(Path("/proc/self/status").read_text())
+        kid = servers.parse_proc_status(Path(f"/proc/{child.pid}/status").read_text())
+        tree = servers.tree_proc_status(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert kid["VmHWM"] >= 64
+    assert tree["VmHWM"] >= own["VmHWM"] + kid["VmHWM"]
 
 
 # ------------------------------------------------------------ the ratio table

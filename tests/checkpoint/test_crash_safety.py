@@ -46,7 +46,8 @@ def _free_port() -> int:
 class Server:
     """One `jaxserve serve` subprocess with the given cache dirs (and fault, if any)."""
 
-    def __init__(self, caches: Path, fault: str | None = None, extra: tuple[str, ...] = ()):
+    def __init__(self, caches: Path, fault: str | None = None, extra: tuple[str, ...] = (),
+                 new_session: bool = False):
         self.port = _free_port()
         env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_FAULT"}
         if fault:
@@ -58,7 +59,8 @@ class Server:
              f"--port={self.port}", f"--params_cache_dir={caches / 'params'}",
              f"--compile_cache_dir={caches / 'compile'}",
              f"--executable_cache_dir={caches / 'executable'}", *SERVE_ARGS, *extra],
-            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=new_session)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_healthy(self) -> None:
@@ -104,7 +106,8 @@ class Server:
         self.wait_exit(30)
 
     def tail(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         text = Path(self.log.name).read_text(errors="replace")
         return text[-3000:]
 
@@ -223,7 +226,7 @@ def _engine_children(pid: int) -> list[int]:
             cmd = Path(f"/proc/{k}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"jaxserve.server.engine_process" in cmd:
+        if b"jaxserve.server.engine_main" in cmd:
             out.append(int(k))
     return out
 
@@ -242,19 +245,23 @@ def _gone(pid: int, timeout: float = 15.0) -> bool:
 
 
 def test_engine_process_answers_the_same_and_never_outlives_its_server(reference, tmp_path):
-    """`serve --engine_process`: the same greedy answers; SIGTERM stops both processes
-    cleanly, and after a SIGKILL of the server its engine process exits by itself."""
+    """`serve --engine_process`: the same greedy answers; SIGTERM to the server or to its
+    whole process group (systemd's stop) stops both processes cleanly, and after a SIGKILL
+    of the server its engine process exits by itself."""
     want, warm = reference
     for d in ("params", "compile", "executable"):
         shutil.copytree(warm / d, tmp_path / d)
-    for how in ("sigterm", "sigkill"):
-        srv = Server(tmp_path, extra=("--engine_process",))
+    for how in ("sigterm", "sigterm-group", "sigkill"):
+        srv = Server(tmp_path, extra=("--engine_process",), new_session=True)
         try:
             srv.wait_healthy()
             engines = _engine_children(srv.proc.pid)
             assert len(engines) == 1, srv.tail()
             assert srv.greedy() == want
         finally:
-            srv.stop() if how == "sigterm" else srv.kill()
-        assert srv.proc.returncode == (0 if how == "sigterm" else -signal.SIGKILL), srv.tail()
+            if how == "sigterm-group":
+                os.killpg(srv.proc.pid, signal.SIGTERM)
+            srv.stop() if how != "sigkill" else srv.kill()
+        assert srv.proc.returncode == (-signal.SIGKILL if how == "sigkill" else 0), srv.tail()
+        assert "exited unexpectedly" not in srv.tail(), srv.tail()
         assert _gone(engines[0]), f"engine process {engines[0]} outlived the server ({how})"

@@ -106,7 +106,8 @@ def running_server(engine_or_factory, *, wait_ready: bool = True, **app_kw):
         while not srv.server.started:
             assert time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.01)
-        if wait_ready:
+        if wait_ready:  # an engine process (engine_process=True) imports jax and compiles
+            deadline = time.monotonic() + 120
             while httpx.get(srv.url("/health")).status_code != 200:
                 assert time.monotonic() < deadline, "engine did not become ready"
                 time.sleep(0.02)

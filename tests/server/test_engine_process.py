@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from jaxserve.server.async_engine import EngineRequest
+from jaxserve.server.async_engine import AddRequestError, EngineRequest
 from jaxserve.server.engine_process import ProcessAsyncEngine
 from jaxserve.sampling_params import SamplingParams
 
@@ -118,6 +118,31 @@ def test_call_returns_the_engines_value_or_raises_its_error(srv):
     healthy_probe(srv)
 
 
+def test_an_engine_side_rejection_keeps_its_type_and_index(srv):
+    """add_request's ValueError (a duplicate id here) crosses back as the AddRequestError
+    the routes turn into a 400, with the index of the request it names."""
+    ae = srv.async_engine
+    sp = SamplingParams(max_tokens=2)
+    reqs = [EngineRequest("dup", [4, 5], sp), EngineRequest("dup", [6, 7], sp)]
+    with pytest.raises(AddRequestError, match="dup") as e:
+        asyncio.run_coroutine_threadsafe(ae.submit(reqs), ae._loop).result(30)
+    assert e.value.index == 1
+    healthy_probe(srv)
+
+
+def test_finished_requests_and_steps_reach_the_metrics(srv):
+    def values():
+        return metrics_values(httpx.get(srv.url("/metrics")).text)
+
+    before = values()
+    healthy_probe(srv)  # 3 tokens, finish_reason "length"
+    after = values()
+    key = "jaxserve:request_success_total{finished_reason=length}"
+    assert after[key] == before.get(key, 0) + 1
+    steps = "jaxserve:iteration_tokens_total_count"
+    assert after[steps] >= before.get(steps, 0) + 2  # on_step ran for the new steps
+
+
 def test_overload_is_a_503_from_the_engine_process(srv):
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 2, "n": 5, "temperature": 0.5,
             "seed": 1}  # 5 waiting children > max_queued_requests=4
@@ -180,3 +205,33 @@ def test_factory_failure_is_reported_and_an_engine_object_is_refused():
         ae.stop()
         loop.close()
     assert ae._proc.returncode == 0
+
+
+def _engine_with_unpicklable_name():
+    engine = make_engine(max_model_len=64)
+    engine.model_name = threading.Lock()  # the view sent to the API process holds it
+    return engine
+
+
+def _engine_with_unpicklable_stats():
+    engine = make_engine(max_model_len=64)
+    stats = engine.get_stats
+    engine.get_stats = lambda: dict(stats(), lock=threading.Lock())
+    return engine
+
+
+@pytest.mark.parametrize("factory, why", [
+    (_engine_with_unpicklable_name, "could not be sent to the API process"),
+    (_engine_with_unpicklable_stats, "message 'out' could not be sent")])
+def test_a_message_that_cannot_cross_fails_the_engine_never_hangs(factory, why):
+    ae, loop = _started(factory)
+    try:
+        deadline = time.monotonic() + 60
+        while ae.state != "failed":  # "fatal" may come just after "ready"
+            assert time.monotonic() < deadline, ae.state
+            time.sleep(0.05)
+        assert why in ae.error
+    finally:
+        ae.stop()
+        loop.close()
+    assert ae._proc.poll() is not None

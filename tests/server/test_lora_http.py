@@ -5,6 +5,7 @@ of the hand-merged weights)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
 import httpx
@@ -79,6 +80,10 @@ def test_load_serve_unload_adapter(tmp_path, engine_process):
         assert _complete(srv, "sql").status_code == 400  # model_not_found
         assert post("/v1/unload_lora_adapter", {"lora_name": "sql"}).status_code == 404
         assert not srv.engine.lora.list_loras()  # the engine's (or the process's view)
+        ae = srv.async_engine  # and the engine's own list, asked through a call
+        names = asyncio.run_coroutine_threadsafe(
+            ae.call(lambda e: [r.lora_name for r in e.lora.list_loras()]), ae._loop).result(30)
+        assert names == []
 
 
 def test_lora_routes_need_the_api_key():
