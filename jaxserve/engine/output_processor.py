@@ -91,6 +91,7 @@ class _Parent:
     final_only: bool = False  # RequestOutputKind.FINAL_ONLY: no output until finished
     delta: bool = False  # RequestOutputKind.DELTA: the output fields hold the new part only
     sent: bool = False  # an output has been collected (stream_interval holds the next ones)
+    prompt_sent: bool = False  # an output has carried the prompt's logprobs
 
 
 def _fewer_than(p: _Parent, k: int) -> bool:
@@ -339,7 +340,8 @@ class OutputProcessor:
             p.sent = True
             ro = RequestOutput(pid, p.prompt, p.prompt_token_ids, comps, finished, p.metrics)
             sc = p.scores
-            if sc is not None and sc.complete:
+            if sc is not None and sc.complete and not (p.delta and p.prompt_sent):
+                p.prompt_sent = True  # DELTA (vLLM's): the prompt's logprobs come once
                 ro.prompt_token_logprobs = sc.logprobs
                 if sc.k is not None:
                     ro.prompt_logprobs = self._prompt_entries(sc, p.prompt_token_ids)

@@ -48,20 +48,27 @@ def merge_deltas(a: Any, b: Any) -> Any:
 
 class OutputCollector:
     """A FIFO of `RequestDelta`s for one reader on the event loop; `put` merges a delta into
-    the unread one before it when both belong to the same running request."""
+    the last unread one of the same request when that request is still running, even with
+    other requests' deltas queued after it (the requests of one multi-prompt HTTP request
+    interleave step by step). Each request's deltas keep their order; only where several
+    requests' events fall relative to each other may change."""
 
     def __init__(self) -> None:
-        self._items: deque = deque()
+        self._items: deque = deque()  # one-element lists: a merge replaces the content
+        self._last: dict[str, list] = {}  # request id -> its last unread item
         self._ready = asyncio.Event()
         self.num_merged = 0  # deltas folded into an earlier one (tests, metrics)
 
     def put(self, delta: Any) -> None:
         """Add a delta (event-loop thread only)."""
-        if self._items and _mergeable(self._items[-1], delta):
-            self._items[-1] = merge_deltas(self._items[-1], delta)
+        cell = self._last.get(delta.request_id)
+        if cell is not None and _mergeable(cell[0], delta):
+            cell[0] = merge_deltas(cell[0], delta)
             self.num_merged += 1
         else:
-            self._items.append(delta)
+            cell = [delta]
+            self._items.append(cell)
+            self._last[delta.request_id] = cell
         self._ready.set()
 
     async def get(self) -> Any:
@@ -69,7 +76,11 @@ class OutputCollector:
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
-        return self._items.popleft()
+        cell = self._items.popleft()
+        rid = cell[0].request_id
+        if self._last.get(rid) is cell:
+            del self._last[rid]
+        return cell[0]
 
     def empty(self) -> bool:
         return not self._items

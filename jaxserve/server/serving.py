@@ -86,6 +86,8 @@ class _Acc:
                                err_type="server_error")
             idx = self.prompt_index[d.request_id] * self.n + c.index
             ch = self.choices[idx]
+            if ch.finish_reason is not None and not (c.text or c.token_ids):
+                continue  # a finished sample while its siblings run (n > 1): said once
             ch.text.append(c.text)
             ch.token_ids.extend(c.token_ids)
             if c.logprobs is not None:

@@ -202,3 +202,30 @@ def test_stream_interval_never_holds_back_a_finished_sample():
     one, held = finish_steps(_steps(1)), finish_steps(_steps(100))
     assert one == held and len(one) == 2
     assert len(set(one.values())) == 2  # the two samples finish at different steps
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_prompt_logprobs_come_once_with_delta_outputs(kind):
+    """DELTA: the prompt's logprobs are in the first output after the prefill only (vLLM);
+    CUMULATIVE: in every output from then on. The fake scores a prompt token t as
+    -0.1 * (1 + t % 5) (`jaxserve.worker.scoring.fake_scores`)."""
+    model = ModelConfig.tiny()
+    config = make_engine_config(model, max_model_len=64, block_size=4, num_kv_blocks=64,
+                                max_num_seqs=4, max_num_batched_tokens=32)
+    V = tiny_tokenizer().vocab_size
+    runner = FakeRunner.for_config(config, token_fn=lambda req, pos:
+                                   default_token(req.request_id, pos, vocab_size=V))
+    eng = LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False)
+    eng.add_request("p", [5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True,
+                                                      prompt_logprobs=0, output_kind=kind))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    carried = [o.prompt_logprobs is not None for o in outs]
+    assert len(outs) == 4 and carried[0]
+    assert carried == ([True, False, False, False] if kind == RequestOutputKind.DELTA
+                       else [True] * 4)
+    first = outs[0].prompt_logprobs
+    assert first[0] is None and len(first) == 4
+    assert [{t: round(v, 6) for t, v in e.items()} for e in first[1:]] == [
+        {6: -0.2}, {7: -0.3}, {8: -0.4}]
