@@ -9,10 +9,22 @@ Public API:
   CheckpointError (ValueError subclass; the message names the file and the problem)
 """
 
+from typing import Any
+
 from jaxserve.checkpoint.default import DEFAULT_MODEL_PATH, resolve_model_path
-from jaxserve.checkpoint.layout import CheckpointError
-from jaxserve.checkpoint.loader import load_model, load_tokenizer
+from jaxserve.checkpoint.errors import CheckpointError
 from jaxserve.checkpoint.tokenizer import Tokenizer
 
 __all__ = ["CheckpointError", "DEFAULT_MODEL_PATH", "Tokenizer", "load_model", "load_tokenizer",
            "resolve_model_path"]
+
+
+def __getattr__(name: str) -> Any:
+    """`load_model` / `load_tokenizer` on first use (PEP 562): the loader imports jax, and a
+    process that only reads a pickled `Tokenizer` (the server's API process with
+    `--engine_process`) must not pay for it (~180 MiB)."""
+    if name in ("load_model", "load_tokenizer"):
+        from jaxserve.checkpoint import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,12 +32,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from jaxserve.checkpoint.errors import CheckpointError  # noqa: F401 - re-exported
 from jaxserve.config import ModelConfig
 from jaxserve.model.llama import param_shapes, validate_params
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be loaded; the message names the file and the problem."""
 
 
 # Per-layer leaves stored [in, out] (transposed from the checkpoints' [out, in]); the

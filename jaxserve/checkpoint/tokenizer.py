@@ -29,7 +29,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from jaxserve.checkpoint.layout import CheckpointError
+from jaxserve.checkpoint.errors import CheckpointError
 
 # GGUF `tokenizer.ggml.token_type` values (llama.cpp `llama_token_type`).
 TOKEN_TYPE_CONTROL = 3
