@@ -51,6 +51,7 @@ class _ChildLoop(AsyncEngine):
         self._out: list[RequestDelta] = []
         self._fin: list[RequestDelta] = []
         self._in_step = False
+        self._futures: dict[int, concurrent.futures.Future] = {}  # call id -> not yet replied
         super().__init__(factory, on_finished=self._fin.append,
                          max_queued_requests=max_queued_requests)
 
@@ -97,6 +98,9 @@ class _ChildLoop(AsyncEngine):
 
     def reply(self, call_id: int, fut: concurrent.futures.Future) -> None:
         """Send a command's result (or its exception) back; runs where `fut` completes."""
+        self._futures.pop(call_id, None)
+        if fut.cancelled():  # the API process cancelled it: nobody waits for a reply
+            return
         exc = fut.exception()
         value = None if exc is not None else fut.result()
         names = _lora_names(self.engine) if self.engine is not None else None
@@ -128,6 +132,7 @@ class _ChildLoop(AsyncEngine):
         kind = msg[0]
         if kind in ("add", "call"):
             fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._futures[msg[2]] = fut
             fut.add_done_callback(lambda f, cid=msg[2]: self.reply(cid, f))
             try:
                 arg = cloudpickle.loads(msg[1]) if kind == "call" else msg[1]
@@ -138,6 +143,10 @@ class _ChildLoop(AsyncEngine):
             self._commands.put((kind, arg, fut))
         elif kind in ("abort", "abort_all"):
             self._commands.put(msg)
+        elif kind == "cancel":  # its caller gave up: skipped unless the loop has begun it
+            fut = self._futures.pop(msg[1], None)
+            if fut is not None:
+                fut.cancel()
         elif kind == "stop":
             return False
         return True

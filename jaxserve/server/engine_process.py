@@ -26,9 +26,9 @@ the LoRA adapter names as of the last call.
 
 If the engine process dies, or sends what cannot be read or sent ("fatal"), it is
 killed, every open stream ends with a 500 error event, pending calls raise, and /health
-reports the engine failed; the process is never restarted. Not carried over: a `call`
-whose caller gives up after it was sent still runs (in-thread, one still queued is
-skipped); warm-up progress is up to 0.25 s old.
+reports the engine failed; the process is never restarted. A `call` or add whose caller
+gives up is cancelled in the engine process too (skipped unless its loop has begun it,
+as in-thread). Warm-up progress is up to 0.25 s old.
 """
 
 from __future__ import annotations
@@ -165,6 +165,19 @@ class _PipeCommands:
                 owner.conn.send(msg)
         except (BrokenPipeError, OSError):
             owner.fail_call(msg)
+            return
+        if kind in ("add", "call"):  # a caller that gives up: the engine skips it if it can
+            fut.add_done_callback(lambda f, cid=msg[2]: f.cancelled() and self._cancel(cid))
+
+    def _cancel(self, cid: int) -> None:
+        owner = self._owner
+        owner.calls.pop(cid, None)
+        if not owner.dead:
+            try:
+                with self.lock:
+                    owner.conn.send(("cancel", cid))
+            except (BrokenPipeError, OSError):
+                pass
 
 
 class ProcessAsyncEngine(AsyncEngine):

@@ -143,6 +143,25 @@ def test_finished_requests_and_steps_reach_the_metrics(srv):
     assert after[steps] >= before.get(steps, 0) + 2  # on_step ran for the new steps
 
 
+def test_a_call_whose_caller_gave_up_is_skipped_by_the_engine(srv):
+    """A call queued behind a slow one and cancelled meanwhile never runs (AsyncEngine
+    skips a cancelled command; the cancel crosses to the engine process)."""
+    ae = srv.async_engine
+
+    async def run() -> bool:
+        slow = asyncio.ensure_future(ae.call(lambda e: time.sleep(1.0)))
+        await asyncio.sleep(0.2)  # the slow call is running in the engine's loop
+        late = asyncio.ensure_future(ae.call(lambda e: setattr(e, "_late_ran", True)))
+        await asyncio.sleep(0.2)  # sent, queued behind the slow one
+        late.cancel()
+        await slow
+        return await ae.call(lambda e: getattr(e, "_late_ran", False))
+
+    ran = asyncio.run_coroutine_threadsafe(run(), ae._loop).result(30)
+    assert ran is False
+    assert not ae.calls  # nothing left waiting for a reply
+
+
 def test_overload_is_a_503_from_the_engine_process(srv):
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 2, "n": 5, "temperature": 0.5,
             "seed": 1}  # 5 waiting children > max_queued_requests=4
