@@ -17,8 +17,8 @@ seam, so nothing else in the server changes:
   as one message a step together with the engine's stats.
 
 What crosses the socket (`multiprocessing.connection.Connection`, pickle): the engine
-factory and the functions of `call(fn)` as cloudpickle bytes (they are closures; sent
-from a worker thread, so a weight tree does not stall the event loop); `EngineRequest`s
+factory and the functions of `call(fn)` as cloudpickle bytes (they are closures; pickled
+and sent by a sender thread, so a weight tree does not stall the event loop); `EngineRequest`s
 and abort ids one way; `RequestDelta`s (this step's new tokens and text only, as plain
 tuples), stats dicts, warm-up progress and call results the other. `engine` in the API
 process is an `EngineView`: the config, model name and tokenizer the routes read, and
@@ -33,13 +33,13 @@ as in-thread). Warm-up progress is up to 0.25 s old.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import importlib
 import itertools
 import logging
 import os
 import pickle
+import queue
 import socket
 import subprocess
 import sys
@@ -131,16 +131,40 @@ class _Fatal(Exception):
 
 
 class _PipeCommands:
-    """`AsyncEngine._commands` for the API process: each `put` goes to the pipe; the
-    futures of "add" and "call" wait for the engine process's "result"."""
+    """`AsyncEngine._commands` for the API process: `put` (any thread, never blocks)
+    queues a command; one sender thread pickles and sends them in order, so a call that
+    holds a whole weight tree never stalls the event loop, and an abort follows its add.
+    The futures of "add" and "call" wait for the engine process's "result"."""
 
     def __init__(self, owner: "ProcessAsyncEngine"):
         self._owner = owner
         self._ids = itertools.count()
-        self.lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine-sender",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then end the sender thread."""
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def put(self, cmd: tuple) -> None:
+        self._queue.put(cmd)
+
+    def _run(self) -> None:
+        while (cmd := self._queue.get()) is not None:
+            try:
+                self._send(cmd)
+            except Exception:  # noqa: BLE001 - one bad command must not stop the others
+                logger.exception("engine command %r could not be sent", cmd[0])
+
+    def _send(self, cmd: tuple) -> None:
         kind, owner = cmd[0], self._owner
+        fut = None
         if kind in ("add", "call"):
             cid = next(self._ids)
             fut = cmd[2]
@@ -161,23 +185,16 @@ class _PipeCommands:
             owner.fail_call(msg)
             return
         try:
-            with self.lock:
-                owner.conn.send(msg)
+            owner.conn.send(msg)
         except (BrokenPipeError, OSError):
             owner.fail_call(msg)
             return
-        if kind in ("add", "call"):  # a caller that gives up: the engine skips it if it can
+        if fut is not None:  # a caller that gives up: the engine skips it if it can
             fut.add_done_callback(lambda f, cid=msg[2]: f.cancelled() and self._cancel(cid))
 
     def _cancel(self, cid: int) -> None:
-        owner = self._owner
-        owner.calls.pop(cid, None)
-        if not owner.dead:
-            try:
-                with self.lock:
-                    owner.conn.send(("cancel", cid))
-            except (BrokenPipeError, OSError):
-                pass
+        self._owner.calls.pop(cid, None)
+        self.put(("cancel", cid))
 
 
 class ProcessAsyncEngine(AsyncEngine):
@@ -236,6 +253,7 @@ class ProcessAsyncEngine(AsyncEngine):
             pass_fds=[theirs.fileno()], env=env)
         theirs.close()
         self.conn = Connection(ours.detach())
+        self._commands.start()
         self.conn.send(("init", self._blob, self.max_queued_requests,
                         logging.getLogger().getEffectiveLevel(), list(sys.path)))
         self._thread = threading.Thread(target=self._read, name="jaxserve-engine-reader",
@@ -266,25 +284,11 @@ class ProcessAsyncEngine(AsyncEngine):
         self.state = "stopped"
         if self._thread is not None:
             self._thread.join(5)
+        self._commands.close()
         self.conn.close()
         grammars = getattr(self.engine, "_grammars", None)
         if grammars is not None:
             grammars.close()
-
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """`AsyncEngine.call`, with `fn` pickled and sent from a worker thread: a closure
-        that holds a whole weight tree (the admin update) must not stall the event loop
-        while it is copied to the engine process.
-
-        Raises:
-          RuntimeError: the engine is not ready, or its process died.
-          TypeError: `fn` cannot be pickled.
-        """
-        if not self.is_ready:
-            raise RuntimeError(f"engine is {self.state}")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        await asyncio.to_thread(self._commands.put, ("call", fn, fut))
-        return await asyncio.wrap_future(fut)
 
     def readiness(self) -> dict:
         """The engine process's warm-up progress as last reported ({} before it)."""

@@ -254,3 +254,25 @@ def test_a_message_that_cannot_cross_fails_the_engine_never_hangs(factory, why):
         ae.stop()
         loop.close()
     assert ae._proc.poll() is not None
+
+
+def test_commands_never_block_their_caller_and_keep_their_order():
+    """`put` only queues: a slow send (a call holding a weight tree) happens on the sender
+    thread, never on the event loop, and commands reach the socket in order."""
+    ae = ProcessAsyncEngine(functools.partial(make_engine, max_model_len=64))
+    gate, sent = threading.Event(), []
+
+    class SlowConn:
+        def send(self, msg):
+            gate.wait(10)
+            sent.append(msg)
+
+    ae.conn = SlowConn()
+    ae._commands.start()
+    t0 = time.monotonic()
+    ae._commands.put(("abort", ["a"]))
+    ae._commands.put(("abort", ["b"]))
+    assert time.monotonic() - t0 < 0.5 and sent == []  # queued, the first send blocked
+    gate.set()
+    ae._commands.close()
+    assert sent == [("abort", ["a"]), ("abort", ["b"])]
