@@ -9,6 +9,7 @@ pause.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -22,9 +23,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY = {"model": MODEL, "prompt": "abc", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def srv():
-    with running_server(make_engine(step_delay=0.02), api_key=KEY) as s:
+@pytest.fixture(scope="module", params=["thread", pytest.param("process", marks=fake_only)])
+def srv(request):
+    """The routes with the engine on the server's thread, then in its own process
+    (`engine_process=True`: each admin call is a closure sent to it)."""
+    factory = functools.partial(make_engine, step_delay=0.02)
+    process = request.param == "process"
+    with running_server(factory if process else factory(), api_key=KEY,
+                        engine_process=process) as s:
         yield s
 
 

@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import httpx
 import pytest
 
-from .helpers import ENGINE_KIND, MODEL, healthy_probe, make_engine, metrics_values, \
+from .helpers import ENGINE_KIND, MODEL, fake_only, healthy_probe, make_engine, metrics_values, \
     running_server, wait_idle
 
 CMPL = "/v1/completions"
 BUDGET = 16
 
 
-@pytest.fixture(scope="module")
-def srv():
-    with running_server(make_engine(max_model_len=512, max_num_batched_tokens=BUDGET,
-                                    max_num_seqs=8, num_kv_blocks=4097, step_delay=0.002)) as s:
+@pytest.fixture(scope="module", params=["thread", pytest.param("process", marks=fake_only)])
+def srv(request):
+    """The engine on the server's thread, then in its own process (engine_process=True;
+    the fake-engine pass only: the split is the server's plumbing)."""
+    factory = functools.partial(make_engine, max_model_len=512, max_num_batched_tokens=BUDGET,
+                                max_num_seqs=8, num_kv_blocks=4097, step_delay=0.002)
+    process = request.param == "process"
+    with running_server(factory if process else factory(), engine_process=process) as s:
         yield s
 
 
@@ -59,7 +64,7 @@ def _assert_released(s, baseline: float) -> None:
 def test_c08_disconnect_mid_stream_mid_prefill_and_n3(srv):
     baseline = metrics_values(httpx.get(srv.url("/metrics")).text)["jaxserve:num_free_blocks"]
     url = srv.url(CMPL)
-    aborted0 = srv.engine.num_aborted
+    aborted0 = srv.async_engine.stats["num_aborted"]  # the engine's, from either process
 
     async def main():
         async with httpx.AsyncClient(timeout=30) as client:
@@ -73,7 +78,7 @@ def test_c08_disconnect_mid_stream_mid_prefill_and_n3(srv):
     asyncio.run(main())
     _assert_released(srv, baseline)
     if ENGINE_KIND == "fake":
-        assert srv.engine.num_aborted - aborted0 == 60
+        assert srv.async_engine.stats["num_aborted"] - aborted0 == 60
 
 
 def test_c08_non_stream_client_timeout(srv):

@@ -179,6 +179,7 @@ def _started(factory) -> tuple[ProcessAsyncEngine, asyncio.AbstractEventLoop]:
     return ae, loop
 
 
+@fake_only
 def test_engine_process_death_ends_open_streams_with_an_error():
     ae, loop = _started(functools.partial(make_engine, max_model_len=512, step_delay=0.005))
     try:
@@ -213,6 +214,7 @@ def _broken_factory():
     raise ValueError("no such model: nowhere.gguf")
 
 
+@fake_only
 def test_factory_failure_is_reported_and_an_engine_object_is_refused():
     with pytest.raises(ValueError, match="zero-argument engine factory"):
         ProcessAsyncEngine(make_engine(max_model_len=64) if ENGINE_KIND == "fake" else object())
@@ -239,6 +241,7 @@ def _engine_with_unpicklable_stats():
     return engine
 
 
+@fake_only
 @pytest.mark.parametrize("factory, why", [
     (_engine_with_unpicklable_name, "could not be sent to the API process"),
     (_engine_with_unpicklable_stats, "message 'out' could not be sent")])
@@ -256,6 +259,7 @@ def test_a_message_that_cannot_cross_fails_the_engine_never_hangs(factory, why):
     assert ae._proc.poll() is not None
 
 
+@fake_only
 def test_commands_never_block_their_caller_and_keep_their_order():
     """`put` only queues: a slow send (a call holding a weight tree) happens on the sender
     thread, never on the event loop, and commands reach the socket in order."""

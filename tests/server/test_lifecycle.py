@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -16,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .helpers import MODEL, fake_engine, healthy_probe, metrics_values, running_server, wait_idle
+from .helpers import (MODEL, fake_engine, fake_only, healthy_probe, metrics_values,
+                      running_server, wait_idle)
 
 REPO = Path(__file__).resolve().parents[2]
 CMPL = "/v1/completions"
@@ -61,8 +63,22 @@ def test_failed_engine_construction_reports_503():
         assert httpx.post(srv.url(CMPL), json=_body()).status_code == 503
 
 
-def test_step_exception_fails_in_flight_requests_and_keeps_serving():
-    with running_server(fake_engine()) as srv:
+def _served(process: bool, **engine_args):
+    """running_server over fake_engine(**engine_args): on the server's thread, or in an
+    engine process of its own (engine_process=True, built there from the factory)."""
+    factory = functools.partial(fake_engine, **engine_args)
+    return running_server(factory if process else factory(), engine_process=process)
+
+
+# The split is the server's plumbing, whatever runs the steps: its variant runs in the
+# fake-engine pass only (the tiny pass would compile the model again in each process).
+ENGINE_PROCESS = pytest.mark.parametrize(
+    "process", [False, pytest.param(True, marks=fake_only)], ids=["thread", "process"])
+
+
+@ENGINE_PROCESS
+def test_step_exception_fails_in_flight_requests_and_keeps_serving(process):
+    with _served(process) as srv:
         base = metrics_values(httpx.get(srv.url("/metrics")).text)["jaxserve:num_free_blocks"]
         r = httpx.post(srv.url(CMPL), json=_body(prompt="STEPFAIL"), timeout=10)
         assert r.status_code == 500 and "scripted step failure" in r.json()["error"]["message"]
@@ -77,8 +93,9 @@ def test_step_exception_fails_in_flight_requests_and_keeps_serving():
         healthy_probe(srv)
 
 
-def test_request_error_is_contained_to_that_request():
-    with running_server(fake_engine()) as srv:
+@ENGINE_PROCESS
+def test_request_error_is_contained_to_that_request(process):
+    with _served(process) as srv:
         async def main():
             async with httpx.AsyncClient(timeout=10) as c:
                 bad = c.post(srv.url(CMPL), json=_body(prompt="REQFAIL"))
@@ -91,8 +108,9 @@ def test_request_error_is_contained_to_that_request():
         healthy_probe(srv)
 
 
-def test_shutdown_aborts_in_flight_streams_quickly():
-    with running_server(fake_engine(max_model_len=1024, step_delay=0.005)) as srv:
+@ENGINE_PROCESS
+def test_shutdown_aborts_in_flight_streams_quickly(process):
+    with _served(process, max_model_len=1024, step_delay=0.005) as srv:
         lines: list[str] = []
 
         def consume():
@@ -113,7 +131,11 @@ def test_shutdown_aborts_in_flight_streams_quickly():
         assert data[-1] == "[DONE]"
         assert "shutting down" in json.loads(data[-2])["error"]["message"]
         assert srv.async_engine.state == "stopped"
-        assert not srv.async_engine.engine.has_unfinished_requests()
+        if process:  # the engine process flushed its last stats, then exited
+            assert srv.async_engine.stats["num_running"] == 0
+            assert srv.async_engine._proc.poll() == 0
+        else:
+            assert not srv.async_engine.engine.has_unfinished_requests()
 
 
 _SERVE_SCRIPT = textwrap.dedent("""

@@ -18,7 +18,7 @@ from lora.peft_dir import write_peft_dir
 
 from jaxserve.model.llama import reference_logits
 
-from .helpers import MODEL, running_server
+from .helpers import MODEL, fake_only, running_server
 
 KEY = "k27"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -46,7 +46,8 @@ def _ids(srv, r):
             for t in r.json()["choices"][0]["logprobs"]["tokens"]]
 
 
-@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+@pytest.mark.parametrize("engine_process", [False, pytest.param(True, marks=fake_only)],
+                         ids=["thread", "process"])
 def test_load_serve_unload_adapter(tmp_path, engine_process):
     cfg, _ = tiny_params()
     tree = random_adapter(cfg, 4, seed=70, targets=["wq", "wv", "w_down"])
