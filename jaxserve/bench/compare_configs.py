@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -62,13 +63,23 @@ def configs_for(engines: str | tuple[str, ...]) -> tuple[str, ...]:
 def server_command(name: str, args: argparse.Namespace, num_seqs: int, plan: Any,
                    port: int) -> list[str]:
     """The command line of configuration `name`'s server for N = num_seqs sequences and
-    the KV plan (`compare.KVPlan`): equal capacity in tokens in every configuration."""
+    the KV plan (`compare.KVPlan`): equal capacity in tokens in every configuration. A
+    reused llama-server (--reuse_server, cold cases) gets a --slot-save-path directory,
+    created here under --out_dir."""
     cfg = CONFIGS[name]
     if cfg.engine == "llama.cpp":
         model = args.f32_model if cfg.weights == "f32" else args.model
+        cold: list[str] = []
+        if getattr(args, "reuse_server", False) and not getattr(args, "warm_cases", False):
+            # `compare.make_cold` erases the slots between cases (POST /slots/N?action=erase),
+            # which llama-server refuses (501) without an existing --slot-save-path directory
+            slots = Path(args.out_dir) / "llama_slots"
+            slots.mkdir(parents=True, exist_ok=True)
+            cold = ["--slot-save-path", str(slots)]
         return [str(args.llama_server), "-m", str(model), "--host", "127.0.0.1",
                 "--port", str(port), "--parallel", str(num_seqs), "-kvu",
-                "-c", str(plan.llama_ctx), "-t", "2", "-tb", "2", *cfg.flags, "--no-webui"]
+                "-c", str(plan.llama_ctx), "-t", "2", "-tb", "2", *cfg.flags, *cold,
+                "--no-webui"]
     # jaxserve dequantizes the original file for fp32 (the same weights as llama.cpp's F32
     # requantization of it), or keeps its blocks.
     return [*shlex.split(args.jaxserve_cmd), f"--model={args.model}", "--host=127.0.0.1",

@@ -239,6 +239,21 @@ def test_server_commands_give_equal_kv(tmp_path):
     assert "--quantization=auto" in cmp.server_command("jaxserve gguf", a, 16, plan, 9002)
 
 
+def test_a_reused_llama_server_can_erase_its_slots(tmp_path):
+    """--reuse_server empties llama.cpp's slots between cases (POST /slots/N?action=erase),
+    which llama-server answers 501 unless started with an existing --slot-save-path."""
+    base = ["--case=16:ragged64:burst", "--llama_server=/b/llama-server",
+            "--f32_model=/m/f32.gguf", f"--out_dir={tmp_path}"]
+    plan = cmp.plan_kv(11632, 16)
+    a, _ = cmp.resolve_args(base + ["--reuse_server"])
+    ll = cmp.server_command("llama.cpp gguf", a, 16, plan, 9001)
+    at = ll.index("--slot-save-path")
+    assert Path(ll[at + 1]).is_dir() and Path(ll[at + 1]).parent == tmp_path
+    for extra in ([], ["--reuse_server", "--warm_cases"]):  # nothing to erase
+        a, _ = cmp.resolve_args(base + extra)
+        assert "--slot-save-path" not in cmp.server_command("llama.cpp gguf", a, 16, plan, 9001)
+
+
 def test_load_warning():
     assert cmp.load_warning(0.8, "x") is None
     w = cmp.load_warning(2.5, "jaxserve 16:seed8:burst")
