@@ -3,15 +3,17 @@ fake runner's FIFO device (D ms a step) with SmolLM2's tokenizer detokenizing ev
 
     PYTHONPATH=. .venv/bin/python scripts/measure_server_stream.py --clients=64 --device_ms=1
 
-The server (engine thread + asyncio HTTP loop, one process, as `jaxserve serve` runs) is a
-subprocess; the clients run in this process (their own GIL), each a streaming
+The server (engine thread + asyncio HTTP loop, one process, as `jaxserve serve` runs; with
+--engine_process the engine in a child process of its own) is a subprocess; the clients run in this process (their own GIL), each a streaming
 /v1/completions request with `ignore_eos` and `continuous_usage_stats`, so every SSE event
 says how many tokens the request has. The window starts once every client has had its
 first event and ends when the first client finishes. Printed: the client-side tokens per
 request per second (goal 1000 / D), SSE events per request per second, and the engine's
-step period over the window (its `num_steps` counter from /metrics), and the server's CPU
-per step split between its main thread (the asyncio HTTP loop: SSE formatting and writes)
-and its busiest other thread (the engine loop), from /proc/<pid>/task/*/stat.
+step period over the window (its `num_steps` counter from /metrics), and CPU per step
+from /proc/<pid>/task/*/stat: the server's main thread (the asyncio HTTP loop: SSE
+formatting and writes), its busiest other thread (the engine loop, wherever it runs), the
+server process and the engine process in all, and the clients' own process (bare asyncio
+sockets, the cheapest client: it shares the machine's cores with the server).
 """
 
 from __future__ import annotations
@@ -51,14 +53,6 @@ def serve(clients: int, device_ms: float, stream_interval: int, engine_process: 
     factory = functools.partial(fake_engine, clients, device_ms, stream_interval)
     run_server(factory if engine_process else factory(), port=PORT, served_model_name="m",
                log_level="warning", engine_process=engine_process)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
 
 
 def _thread_cpu(pid: int) -> dict[int, float]:
@@ -121,7 +115,9 @@ async def _client(max_tokens: int, log: list) -> None:
 def _server_cpu(pid: int) -> dict[tuple[int, int], float]:
     """CPU seconds of each thread of the server and of its engine process, if any, keyed
     (process, thread)."""
-    return {(p, t): c for p in [pid] + _children(pid) for t, c in _thread_cpu(p).items()}
+    from jaxserve.bench.servers import child_pids
+
+    return {(p, t): c for p in [pid] + child_pids(pid) for t, c in _thread_cpu(p).items()}
 
 
 async def _run(clients: int, max_tokens: int, pid: int) -> tuple[list[list], float, float,
@@ -193,7 +189,7 @@ def main() -> int:
     n = len(logs)
     period = window / max(s1 - s0, 1) * 1e3
     steps = max(s1 - s0, 1)
-    clients_ms = c1.pop("clients") / max(s1 - s0, 1) * 1e3
+    clients_ms = c1.pop("clients") / steps * 1e3
     used = {k: c1[k] - c0.get(k, 0.0) for k in c1}
     main_ms = used.pop((proc.pid, proc.pid), 0.0) / steps * 1e3
     engine_ms = max(used.values(), default=0.0) / steps * 1e3

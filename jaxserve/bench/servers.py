@@ -110,6 +110,15 @@ def parse_proc_status(text: str) -> dict[str, float]:
     return out
 
 
+def child_pids(pid: int) -> list[int]:
+    """The pids of process `pid`'s children (/proc/PID/task/PID/children; [] once it is
+    gone)."""
+    try:
+        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def tree_proc_status(pid: int) -> dict[str, float]:
     """`parse_proc_status` summed over process `pid` and its descendants (a server whose
     engine runs in a child process, `jaxserve serve --engine_process`). The summed
@@ -120,12 +129,11 @@ def tree_proc_status(pid: int) -> dict[str, float]:
         p = todo.pop()
         try:
             st = parse_proc_status(Path(f"/proc/{p}/status").read_text())
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
         except OSError:  # exited meanwhile
             continue
         for k, v in st.items():
             out[k] = out.get(k, 0.0) + v
-        todo += [int(k) for k in kids]
+        todo += child_pids(p)
     return out
 
 

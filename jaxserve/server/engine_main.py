@@ -28,17 +28,17 @@ _READINESS_POLL_S = 0.25
 
 
 def _view_of(engine: Any) -> dict:
-    lora = getattr(engine, "lora", None)
+    """`EngineView`'s fields, read off the engine."""
+    names = _lora_names(engine)
     return dict(config=engine.config, model_name=getattr(engine, "model_name", "jaxserve"),
                 tokenizer=getattr(engine, "tokenizer", None),
                 eos_token_ids=getattr(engine, "eos_token_ids", None),
-                lora=None if lora is None else _LoRANames(_lora_names(engine)))
+                lora=None if names is None else _LoRANames(names))
 
 
 def _lora_names(engine: Any) -> list[str] | None:
     lora = getattr(engine, "lora", None)
     return None if lora is None else [r.lora_name for r in lora.list_loras()]
-
 
 
 class _ChildLoop(AsyncEngine):
@@ -59,16 +59,18 @@ class _ChildLoop(AsyncEngine):
         with self._send_lock:
             self._conn.send(msg)
 
-    def send_or_fail(self, msg: tuple) -> None:
-        """`send`, but a message that cannot be pickled is replaced by a "fatal" one (the
-        API process then ends every stream and stops this process): nothing waits on a
-        message that never comes."""
+    def send_or_fail(self, msg: tuple, *, instead: str = "fatal", why: str | None = None
+                     ) -> None:
+        """`send`, but a message that cannot be pickled is replaced by an `instead` one
+        ("fatal": the API process then ends every stream and stops this process;
+        "failed": the engine never became ready) saying `why`: nothing waits on a message
+        that never comes."""
         try:
             blob = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001 - the engine's data, not the socket
             logger.exception("message %r could not be pickled", msg[0])
-            blob = pickle.dumps(("fatal", f"engine process message {msg[0]!r} could not be "
-                                          f"sent: {type(e).__name__}: {e}"))
+            why = why or f"engine process message {msg[0]!r} could not be sent"
+            blob = pickle.dumps((instead, f"{why}: {type(e).__name__}: {e}"))
         with self._send_lock:
             self._conn.send_bytes(blob)
 
@@ -188,16 +190,10 @@ def _child_main(fd: int) -> None:
 
     def announce() -> None:  # from a thread: the pipe keeps being read meanwhile
         child.wait_ready()
-        if child.state == "ready":
-            try:
-                view = _view_of(child.engine)
-                cloudpickle.dumps(view)
-            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that does not pickle
-                logger.exception("the engine's view could not be sent")
-                child.send(("failed", f"the engine's config / tokenizer could not be sent "
-                                      f"to the API process: {type(e).__name__}: {e}"))
-                return
-            child.send_or_fail(("ready", view))
+        if child.state == "ready":  # e.g. a tokenizer that does not pickle: "failed"
+            child.send_or_fail(("ready", _view_of(child.engine)), instead="failed",
+                               why="the engine's config / tokenizer could not be sent to "
+                                   "the API process")
         else:
             child.send(("failed", child.error))
 
@@ -220,7 +216,6 @@ def _child_main(fd: int) -> None:
         # Daemon threads may be inside a compile; nothing here needs an orderly
         # interpreter shutdown.
         os._exit(0)
-
 
 
 if __name__ == "__main__":

@@ -44,9 +44,9 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import cloudpickle
@@ -54,7 +54,6 @@ import cloudpickle
 from jaxserve.server.async_engine import AsyncEngine, CompletionDelta, RequestDelta
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -349,8 +348,8 @@ class ProcessAsyncEngine(AsyncEngine):
         """On the event loop: deliver, then the metrics callbacks (as AsyncEngine's loop
         thread runs them)."""
         self._deliver(deltas)
-        for d in fins:
-            if self._on_finished is not None:
+        if self._on_finished is not None:
+            for d in fins:
                 self._safe(self._on_finished, d)
         if stepped and self._on_step is not None:
             self._safe(self._on_step, stats)
@@ -400,10 +399,7 @@ class ProcessAsyncEngine(AsyncEngine):
         """On the event loop: end every open stream with a 500 error item."""
         deltas = [RequestDelta(request_id=rid, outputs=(), finished=True, error=message,
                                status=500) for rid in list(self._groups)]
-        self._deliver(deltas)
-        for d in deltas:
-            if self._on_finished is not None:
-                self._safe(self._on_finished, d)
+        self._on_out(deltas, deltas, False, self.stats)
 
     def fail_call(self, msg: tuple) -> None:
         """A command sent after the engine process died: its future fails at once."""

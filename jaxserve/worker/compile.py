@@ -89,9 +89,9 @@ def aot_compile(fn: Any, args: tuple, *, exec_cache: ExecutableCache | None,
     hits0 = CacheHits.count()
     if exec_cache is not None:
         program = exec_cache.load(key_parts)
-        if program is not None and takes(program, args):
-            return program, "restored"
         if program is not None:
+            if takes(program, args):
+                return program, "restored"
             logger.warning("executable cache entry for %s does not take the program's "
                            "arguments; rebuilding it", _name(key_parts))
     for attempt in range(3):

@@ -216,12 +216,10 @@ def test_damaged_caches_are_rebuilt(reference, tmp_path):
 
 def _engine_children(pid: int) -> list[int]:
     """The engine process(es) of server `pid`."""
-    try:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return []
+    from jaxserve.bench.servers import child_pids
+
     out = []
-    for k in kids:
+    for k in child_pids(pid):
         try:
             cmd = Path(f"/proc/{k}/cmdline").read_bytes()
         except OSError:
