@@ -396,9 +396,6 @@ def engine_in_process(argv: Sequence[str]) -> Any:
 def cmd_serve() -> int:
     from jaxserve.server import serve
 
-    if FLAGS.engine_process and FLAGS.num_processes > 1:
-        raise app.UsageError("--engine_process with --num_processes > 1 is not supported: the "
-                             "multi-host leader steps the followers from the serving process")
     if FLAGS.engine_process:
         from jaxserve.server.engine_process import factory_by_name
 
@@ -467,6 +464,9 @@ def main(argv: Sequence[str]) -> int:
     cmd = argv[1]
     if cmd == "compile":
         return cmd_compile()
+    if cmd == "serve" and FLAGS.engine_process and FLAGS.num_processes > 1:  # before joining
+        raise app.UsageError(f"--engine_process with --num_processes={FLAGS.num_processes} is "
+                             "not supported (the leader steps its followers in-process)")
     if cmd in ("generate", "serve") and start_multihost():
         return 0  # a follower: its leader stopped
     try:

@@ -57,3 +57,13 @@ def test_generate_cli_missing_model_names_the_file(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "nope.gguf" in proc.stderr
+
+
+def test_engine_process_with_several_hosts_is_refused_before_joining():
+    """No coordinator is given: the refusal comes before `jax.distributed` is joined."""
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--engine_process",
+           "--num_processes=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]  # absl prints the usage, then the error
+    assert last.startswith("--engine_process with --num_processes=2 is not supported")
