@@ -34,18 +34,28 @@ def _lib_fn(name: str):
     return fn
 
 
-def int_rows() -> int:
+def int_rows(kind: str = "q4") -> int:
     """Rows of x up to which the kernel quantizes x to two int8 digits per 32-element
-    block and uses integer dot products (0: it keeps x in f32, i.e. no AVX-512 VNNI, or
-    the kernel is unavailable). `quantize_x` gives that quantization's values."""
-    return int(_lib_fn("JaxserveQMatmulIntRows")()) if available() else 0
+    block and uses integer dot products on `kind` ("q4" or "q8") weights (0: it keeps x in
+    f32, i.e. no AVX-512 VNNI, or the kernel is unavailable). Defaults: 16 for q4, 4 for
+    q8 (the measurements are in the kernel's source). `quantize_x` gives that
+    quantization's values.
+
+    Raises:
+      ValueError: an unknown kind.
+    """
+    if kind not in ("q4", "q8"):
+        raise ValueError(f"kind={kind!r} must be 'q4' or 'q8'")
+    if not available():
+        return 0
+    return int(_lib_fn("JaxserveQMatmulIntRows" if kind == "q4" else "JaxserveQMatmulIntRowsQ8")())
 
 
 def set_int_rows(rows: int) -> int:
-    """Set the process-wide `int_rows` (clamped to [0, the kernel's maximum]; 0 runs the
-    f32-activation kernels), for measurements that compare both paths in one process
-    (scripts/measure_quant_drift.py); compiled programs need no recompile. Returns the
-    value in force."""
+    """Set the process-wide q4 `int_rows` (clamped to [0, 64]; q8 uses at most 4 of them;
+    0 runs the f32-activation kernels), for measurements that compare both paths in one
+    process (scripts/measure_quant_drift.py); compiled programs need no recompile.
+    Returns the value in force."""
     return int(_lib_fn("JaxserveQMatmulSetIntRows")(rows)) if available() else 0
 
 

@@ -62,10 +62,11 @@ def test_quantize_error_within_half_a_step(kind):
 X_QUANT_REL_ERR = 1e-4
 
 
-def _quantize_x(x: np.ndarray, native: bool) -> np.ndarray:
+def _quantize_x(x: np.ndarray, native: bool, kind: str = "q4") -> np.ndarray:
     """float64 x as the kernel multiplies it: `native_qmatmul.quantize_x` on the integer
-    path, x itself otherwise."""
-    if native and x.shape[0] <= native_qmatmul.int_rows():
+    path (up to `int_rows` of the weight format's rows), x itself otherwise."""
+    fmt = "q4" if kind == "q4" else "q8"  # int8 is q8 blocks of a whole row
+    if native and x.shape[0] <= native_qmatmul.int_rows(fmt):
         return native_qmatmul.quantize_x(x)
     return x.astype(np.float64)
 
@@ -101,9 +102,9 @@ def test_quantized_matmul_matches_float64(native, kind, shape, x_path):
           quant.quantize_q8(w, block=k if kind == "int8" else 32))
     wd = quant.dequantize(qw, np.float64)
     fn = jax.jit(lambda x, w: linear.quantized_matmul(x, w, native=native))
-    for m in (1, 2, 3, 4, 7, 64):
+    for m in (1, 2, 3, 4, 7, 16, 17, 64):
         x = rng.standard_normal((m, k)).astype(np.float32)
-        want = _quantize_x(x, native) @ wd.T
+        want = _quantize_x(x, native, kind) @ wd.T
         got = np.asarray(fn(x, qw))
         assert got.shape == (m, n)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -314,3 +315,21 @@ def test_q8_0_gguf_blocks_match_transformers_logits(unroll):
     for j in range(3):
         got = reference_logits(cfg, params, gold[f"ids_{j}"])
         assert np.abs(got - gold[f"logits_{j}"]).max() < 1e-4, j
+
+
+def test_int_rows_per_format():
+    """The integer path's row cut: 16 for q4 weights, at most 4 for q8 (their measured
+    crossovers, qmatmul.cc), both following `set_int_rows`; an unknown format is an error."""
+    if not native_qmatmul.available() or native_qmatmul.int_rows() == 0:
+        pytest.skip("no integer path here (no compiler or no AVX-512 VNNI)")
+    before = native_qmatmul.int_rows()
+    try:
+        assert (native_qmatmul.int_rows("q4"), native_qmatmul.int_rows("q8")) == (16, 4)
+        assert native_qmatmul.set_int_rows(2) == 2
+        assert (native_qmatmul.int_rows("q4"), native_qmatmul.int_rows("q8")) == (2, 2)
+        assert native_qmatmul.set_int_rows(1000) == 64  # clamped
+        assert native_qmatmul.int_rows("q8") == 4
+    finally:
+        native_qmatmul.set_int_rows(before)
+    with pytest.raises(ValueError, match="kind='q5'"):
+        native_qmatmul.int_rows("q5")

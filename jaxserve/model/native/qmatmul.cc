@@ -6,7 +6,7 @@
 //   q4: q u8[N, K/2], scale, min f16[N, K/32]       w = scale * nib + min
 //       (byte j of a 32-block: element j in the low nibble, element j + 16 in the high one)
 //
-// Up to kIntMaxRows rows of x (decode) with AVX-512 VNNI: x is quantized once per call to
+// Up to kIntMaxRows rows of x (decode; kIntMaxRowsQ8 for q8) with AVX-512 VNNI: x is quantized once per call to
 // two int8 digits per 32-element block and multiplied by the raw weight bytes with integer
 // dot products (the "Integer dot products" section). Otherwise up to kDirectRows rows:
 // 4 weight rows x 1-2 rows of x dequantized in registers (AVX2/FMA, f32 x); more rows:
@@ -61,9 +61,14 @@ inline float HalfToFloat(uint16_t h) {
 
 constexpr int64_t kRowsPerTask = 32;
 constexpr int64_t kDirectRows = 2;  // up to this many rows of x: dequantize in registers
-// Up to this many rows of x: integer dot products (notes/issue26_q4.md: at M = 3 they beat
-// the f32 panel, 0.16 vs 0.24 ms on mlp_up; at M = 8 it is mixed, at 64 the panel wins).
-constexpr int64_t kIntMaxRows = 4;
+// Up to this many rows of x: integer dot products. q4: at M = 5-16 they beat the f32
+// panel 1.1-2.1x on SmolLM2's layer shapes with the weights streamed from memory (as in a
+// decode step), and break even at M = 32 (notes/issue26.md, sixth session; at M = 3 the
+// first measurement, notes/issue26_q4.md, had 0.16 vs 0.24 ms on mlp_up). q8: the tied
+// head [49152, 576] runs 0.71-0.93x the panel's speed at M = 8-32, so its cut stays at 4.
+constexpr int64_t kIntMaxRows = 16;
+constexpr int64_t kIntMaxRowsQ8 = 4;
+constexpr int64_t kIntCapRows = 64;  // the most `JaxserveQMatmulSetIntRows` accepts
 // M * N * K below which one thread runs a product (JaxserveQMatmulSetSerialWork).
 constexpr int64_t kSerialWork = int64_t{1} << 21;
 std::atomic<int64_t> g_serial_work{kSerialWork};
@@ -277,7 +282,8 @@ ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const v
   w->n_tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
 #ifdef JAXSERVE_INT_DOT
   thread_local QuantX xq;  // the calling thread's; helpers only read it while it waits
-  if (M <= g_int_rows.load(std::memory_order_relaxed) && QuantizeX(w->x, M, K, q4, xq)) {
+  const int64_t int_rows = g_int_rows.load(std::memory_order_relaxed);
+  if (M <= (q4 ? int_rows : std::min(int_rows, kIntMaxRowsQ8)) && QuantizeX(w->x, M, K, q4, xq)) {
     w->xq = &xq;
   }
 #endif
@@ -334,13 +340,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmulQ4, Q4Impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("block"));
 
-// Rows of x up to which x is quantized to two int8 digits (0: f32 activations). At most
-// kIntMaxRows, 0 without AVX-512 VNNI; settable (measurements compare both paths).
+// Rows of x up to which x is quantized to two int8 digits for q4 weights (0: f32
+// activations); q8 weights: at most kIntMaxRowsQ8 of them. Default kIntMaxRows, 0 without
+// AVX-512 VNNI; settable up to kIntCapRows (measurements compare both paths).
 extern "C" int64_t JaxserveQMatmulIntRows() { return g_int_rows.load(); }
+
+extern "C" int64_t JaxserveQMatmulIntRowsQ8() {
+  return std::min(g_int_rows.load(), kIntMaxRowsQ8);
+}
 
 extern "C" int64_t JaxserveQMatmulSetIntRows(int64_t rows) {
 #ifdef JAXSERVE_INT_DOT
-  g_int_rows.store(std::clamp<int64_t>(rows, 0, kIntMaxRows));
+  g_int_rows.store(std::clamp<int64_t>(rows, 0, kIntCapRows));
 #endif
   return g_int_rows.load();
 }
