@@ -9,7 +9,9 @@ between program calls (step wall minus the programs), and tokens/s of the unwrap
 (no blocking). Variants:
   default    the shipped thresholds (`linear.HEAD_NATIVE_MAX_ROWS`, `FLOAT_NATIVE_MAX_ROWS`)
   head_off   HEAD_NATIVE_MAX_ROWS = 0 (the tied fp32 head on XLA: the "before")
-  layers_on  FLOAT_NATIVE_MAX_ROWS = 8 as well (the layers' matrices on the "kn" kernel)
+  layers_on  FLOAT_NATIVE_MAX_ROWS = 8 (the layers' matrices on the "kn" kernel to 8 rows)
+  layers2    FLOAT_NATIVE_MAX_ROWS = 2 (the shipped value since the sixth session)
+  layers_off FLOAT_NATIVE_MAX_ROWS = 0 (the layers on XLA's dot: the "before" of that)
   g<N>       the shipped thresholds with `EngineConfig.layers_per_program = N` (g1: the CPU
              default; g30: SmolLM2's whole stack in one program)
 Every variant's engine is built first, then the untimed runs are interleaved (variant by
@@ -33,7 +35,8 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.model import linear
 
 VARIANTS = {"default": {}, "head_off": {"HEAD_NATIVE_MAX_ROWS": 0},
-            "layers_on": {"FLOAT_NATIVE_MAX_ROWS": 8}}
+            "layers_on": {"FLOAT_NATIVE_MAX_ROWS": 8}, "layers2": {"FLOAT_NATIVE_MAX_ROWS": 2},
+            "layers_off": {"FLOAT_NATIVE_MAX_ROWS": 0}}
 
 
 class Timed:

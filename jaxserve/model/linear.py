@@ -10,7 +10,7 @@ fly product for a `jaxserve.model.quant.QuantizedWeight` (stored [N, K]):
 `embed_rows` gathers embedding rows, `head_matrix_product` is the LM head: a tied fp32
 head on CPU at <= HEAD_NATIVE_MAX_ROWS rows goes to the native float kernel
 (`native_fmatmul`, layout "nk" over the embedding), as does a float layer matrix at
-<= FLOAT_NATIVE_MAX_ROWS rows (layout "kn"; 0 = off, notes/issue26_fp32.md).
+<= FLOAT_NATIVE_MAX_ROWS rows (layout "kn"; 0 = off; notes/issue26_fp32.md, notes/issue26.md).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from jaxserve.model.quant import QuantizedWeight
 NATIVE_MAX_ROWS = 64
 # Rows up to which a tied fp32 LM head uses the native float kernel on CPU (XLA runs the
 # one-row [1, 576] @ [576, 49152] at 13-19 GB/s; notes/issue26_fp32.md), and the same for
-# the layers' float matrices (0: off; measured no faster than XLA there).
+# the layers' float matrices at <= 2 rows (the "kn" kernel split along K: 30 layers'
+# matrices 0.87-0.91x XLA's time at M = 1-2, 1.0-1.05x at M = 3-4; notes/issue26.md).
 HEAD_NATIVE_MAX_ROWS = 4
-FLOAT_NATIVE_MAX_ROWS = 0
+FLOAT_NATIVE_MAX_ROWS = 2
 # Rows up to which a block-scaled weight's XLA path is `_reduce_dot` (no dequantized copy;
 # each extra row re-reads the blocks, so past a few rows the GEMM on a dequantized copy wins).
 REDUCE_MAX_ROWS = 4

@@ -11,6 +11,7 @@ Built and cached like the decode-attention kernel (`jaxserve.attention.native_cp
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import jax
@@ -25,6 +26,19 @@ _SRC = Path(__file__).with_name("native") / "fmatmul.cc"
 _KERNELS = NativeKernels(_SRC, "fmatmul", {TARGETS[k]: _SYMBOLS[k] for k in TARGETS},
                          "native CPU float matmul")
 available, status = _KERNELS.available, _KERNELS.status  # build + register; cache-key part
+
+
+def set_kn_serial_bytes(nbytes: int) -> int:
+    """Weight bytes below which a "kn" product runs on the calling thread alone (default
+    512 KiB; 0 threads every product over XLA's intra-op pool), process-wide, for
+    measurements that compare both in one process; no recompile, and the result is the
+    same either way (the K split does not depend on the threads). Returns the value in
+    force (0 when the kernel is unavailable)."""
+    if not available():
+        return 0
+    fn = _KERNELS._state["lib"].JaxserveFMatmulSetKNSerialBytes
+    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    return int(fn(nbytes))
 
 
 def fmatmul(x: jax.Array, w: jax.Array, *, layout: str) -> jax.Array:

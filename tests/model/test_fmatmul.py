@@ -13,8 +13,9 @@ from jaxserve.model import linear, native_fmatmul
 
 pytestmark = pytest.mark.skipif(not native_fmatmul.available(), reason="no C++ compiler")
 
-# N not a multiple of the task size (32 rows / 64 columns) nor of 8; K not a multiple of 8.
-SHAPES = [(67, 45), (131, 576), (9, 13), (200, 1)]
+# N not a multiple of the nk task size (32 rows) nor of 8; K not a multiple of 8, nor of
+# the kn task size (64 rows of W): K = 200 is three full tasks and one of 8 rows.
+SHAPES = [(67, 45), (131, 576), (9, 13), (200, 1), (33, 200)]
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
@@ -30,6 +31,26 @@ def test_fmatmul_matches_float64(layout):
             got = np.asarray(fn(x, w))
             assert got.shape == (m, n) and got.dtype == np.float32
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_fmatmul_kn_threads_and_batch_do_not_change_bits():
+    """The "kn" kernel's K split does not depend on the threads (serial and threaded give
+    the same bits), and a row of y depends on its row of x alone (M = 1 and M = 2 agree
+    bit for bit: batch-invariant)."""
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((300, 520)).astype(np.float32)  # 624 KB: threaded by default
+    x = rng.standard_normal((2, 300)).astype(np.float32)
+    fn = jax.jit(lambda x, w: native_fmatmul.fmatmul(x, w, layout="kn"))
+    base = np.asarray(fn(x, w))
+    try:
+        assert native_fmatmul.set_kn_serial_bytes(1 << 40) == 1 << 40
+        np.testing.assert_array_equal(np.asarray(fn(x, w)), base)
+        assert native_fmatmul.set_kn_serial_bytes(0) == 0
+        np.testing.assert_array_equal(np.asarray(fn(x, w)), base)
+    finally:
+        native_fmatmul.set_kn_serial_bytes(1 << 19)
+    np.testing.assert_array_equal(np.asarray(fn(x[1:], w)), base[1:])
+    np.testing.assert_allclose(base, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
 
 
 def test_fmatmul_rejects_bad_shapes():
@@ -62,9 +83,12 @@ def test_routing_tied_head_and_opt_in_layers(monkeypatch):
         # bf16 activations never take the f32 kernel
         assert "jaxserve_fmatmul" not in _targets(head, h.astype(jnp.bfloat16), embed)
     x = rng.standard_normal((2, 48)).astype(np.float32)
-    assert "jaxserve_fmatmul" not in _targets(linear.linear, x, w)  # layers: off by default
-    monkeypatch.setattr(linear, "FLOAT_NATIVE_MAX_ROWS", 2)
+    assert linear.FLOAT_NATIVE_MAX_ROWS == 2  # layers: the "kn" kernel up to 2 rows
     assert "jaxserve_fmatmul_kn" in _targets(linear.linear, x, w)
+    x3 = rng.standard_normal((3, 48)).astype(np.float32)
+    assert "jaxserve_fmatmul" not in _targets(linear.linear, x3, w)
+    monkeypatch.setattr(linear, "FLOAT_NATIVE_MAX_ROWS", 0)
+    assert "jaxserve_fmatmul" not in _targets(linear.linear, x, w)
     np.testing.assert_allclose(np.asarray(jax.jit(lambda a, b: linear.linear(a, b))(x, w)), x @ w, rtol=1e-5,
                                atol=1e-5)
 

@@ -5,20 +5,29 @@
 //       embedding [V, E] this way: each output is a dot product of contiguous rows.
 //       Register tiles of 4 weight rows x 1-2 rows of x, 8-wide FMA along K.
 //   kn (jaxserve_fmatmul_kn): W f32[K, N], y = x @ W (the layers' canonical matrices).
-//       Axpy style: a task owns a block of output columns and streams W's rows through
-//       it, y[r, cols] += x[r, k] * W[k, cols], 4 vectors of columns x 2 rows of x.
+//       Split along K: task c owns the contiguous rows [k0, k1) of W (one sequential
+//       stream of memory) and writes the partial product x[:, k0:k1] @ W[k0:k1] into its
+//       own slice of a scratch buffer, 4 rows of W per pass over its partial row (kept in
+//       L1/L2); the caller then sums the partials in task order. The split depends on K
+//       alone, so the result is the same whichever threads ran the tasks, and each row of
+//       y depends only on its row of x (batch-invariant).
 //
 // Why: XLA:CPU runs a one-row dot at 13-19 GB/s of weight (a single-threaded loop for
 // M = 1); these kernels split the weight over XLA's intra-op pool (ffi::ThreadPool) and the
-// calling thread, in tasks of kRowsPerTask output rows (nk) or kColsPerTask columns (kn),
-// so the product runs near memory bandwidth. Any K and N: tails are scalar. Without AVX2
-// a portable scalar loop computes the same sums.
+// calling thread, in tasks of kRowsPerTask output rows (nk) or kKRowsPerTask rows of W
+// (kn), so the product runs near memory bandwidth. (The first kn kernel gave each task a
+// block of 64 output columns over all of K: 256 bytes of each row of W, one row apart, a
+// strided walk that ran at ~9 GB/s against XLA's ~18.) Any K and N: tails are scalar.
+// Without AVX2 a portable scalar loop computes the same sums.
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -31,7 +40,12 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kRowsPerTask = 32;  // nk: output rows (= weight rows) per task
-constexpr int64_t kColsPerTask = 64;  // kn: output columns per task
+constexpr int64_t kKRowsPerTask = 64;
+constexpr bool USE4 = false;  // kn: rows of W (along K) per task
+// kn products of fewer weight bytes than this run on the calling thread alone (waking the
+// pool costs more than it saves).
+constexpr int64_t kKNSerialBytes = int64_t{1} << 19;
+std::atomic<int64_t> g_kn_serial_bytes{kKNSerialBytes};
 
 struct Work {
   int64_t M, N, K;
@@ -39,16 +53,18 @@ struct Work {
   const float* x;
   const float* w;
   float* y;
+  float* part = nullptr;  // kn: [n_tasks - 1, M, N] partial products of tasks 1..
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   int64_t n_tasks;
 
   void RunNK(int64_t n0, int64_t n1);
-  void RunKN(int64_t c0, int64_t c1);
+  void RunKN(int64_t k0, int64_t k1, float* out);
   void Drain() {
     for (int64_t t = next.fetch_add(1); t < n_tasks; t = next.fetch_add(1)) {
       if (kn) {
-        RunKN(t * kColsPerTask, std::min(N, (t + 1) * kColsPerTask));
+        RunKN(t * kKRowsPerTask, std::min(K, (t + 1) * kKRowsPerTask),
+              t == 0 ? y : part + (t - 1) * M * N);
       } else {
         RunNK(t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask));
       }
@@ -64,14 +80,14 @@ inline float DotTail(const float* a, const float* b, int64_t k0, int64_t K) {
   return s;
 }
 
-void KNScalar(const Work& w, int64_t c0, int64_t c1) {
+// out[r, c0:c1] = sum over k in [k0, k1) of x[r, k] * W[k, c0:c1], k in order.
+void KNScalar(const Work& w, int64_t k0, int64_t k1, int64_t c0, float* out) {
   for (int64_t r = 0; r < w.M; ++r) {
-    float* yr = w.y + r * w.N;
-    for (int64_t c = c0; c < c1; ++c) yr[c] = 0.f;
-    for (int64_t k = 0; k < w.K; ++k) {
-      const float xv = w.x[r * w.K + k];
-      const float* wr = w.w + k * w.N;
-      for (int64_t c = c0; c < c1; ++c) yr[c] += xv * wr[c];
+    float* yr = out + r * w.N;
+    for (int64_t c = c0; c < w.N; ++c) {
+      float acc = 0.f;
+      for (int64_t k = k0; k < k1; ++k) acc += w.x[r * w.K + k] * w.w[k * w.N + c];
+      yr[c] = acc;
     }
   }
 }
@@ -118,36 +134,23 @@ void Work::RunNK(int64_t n0, int64_t n1) {
   for (; n < n1; ++n) RowsNK<1>(*this, n);
 }
 
-// y[r0:r0+RT, c0:c0+8*CV] = x[r0:r0+RT] @ W[:, c0:c0+8*CV], streaming W's rows.
-template <int CV, int RT>
-void TileKN(const Work& w, int64_t c0, int64_t r0) {
-  __m256 acc[CV][RT];
-  for (int j = 0; j < CV; ++j)
-    for (int r = 0; r < RT; ++r) acc[j][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < w.K; ++k) {
-    __m256 wv[CV];
-    for (int j = 0; j < CV; ++j) wv[j] = _mm256_loadu_ps(w.w + k * w.N + c0 + 8 * j);
-    for (int r = 0; r < RT; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(w.x + (r0 + r) * w.K + k);
-      for (int j = 0; j < CV; ++j) acc[j][r] = _mm256_fmadd_ps(wv[j], xv, acc[j][r]);
+// out[:, :] = x[:, k0:k1] @ W[k0:k1, :]: the rows of W in order, 4 at a time, each 8-float
+// column chunk of every row of x updated in place (out stays in L1/L2; W is read once, as
+// one sequential stream). The sum for one output is ((x0 w0 + x1 w1) + x2 w2) + x3 w3 per
+// group of 4 rows, groups added in order: the same whatever M is.
+void Work::RunKN(int64_t k0, int64_t k1, float* out) {
+  const int64_t n8 = N & ~int64_t{7};
+  for (int64_t r = 0; r < M; ++r) std::fill(out + r * N, out + (r + 1) * N, 0.f);
+  for (int64_t k = k0; k < k1; ++k) {
+    for (int64_t r = 0; r < M; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * K + k);
+      const float* wk = w + k * N;
+      float* o = out + r * N;
+      for (int64_t c = 0; c < n8; c += 8)
+        _mm256_storeu_ps(o + c, _mm256_fmadd_ps(a, _mm256_loadu_ps(wk + c), _mm256_loadu_ps(o + c)));
+      for (int64_t c = n8; c < N; ++c) o[c] = std::fma(x[r * K + k], wk[c], o[c]);
     }
   }
-  for (int j = 0; j < CV; ++j)
-    for (int r = 0; r < RT; ++r) _mm256_storeu_ps(w.y + (r0 + r) * w.N + c0 + 8 * j, acc[j][r]);
-}
-
-template <int CV>
-void RowsKN(const Work& w, int64_t c0) {
-  int64_t r = 0;
-  for (; r + 2 <= w.M; r += 2) TileKN<CV, 2>(w, c0, r);
-  if (r < w.M) TileKN<CV, 1>(w, c0, r);
-}
-
-void Work::RunKN(int64_t c0, int64_t c1) {
-  int64_t c = c0;
-  for (; c + 32 <= c1; c += 32) RowsKN<4>(*this, c);
-  for (; c + 8 <= c1; c += 8) RowsKN<1>(*this, c);
-  if (c < c1) KNScalar(*this, c, c1);
 }
 #else
 void Work::RunNK(int64_t n0, int64_t n1) {
@@ -155,7 +158,7 @@ void Work::RunNK(int64_t n0, int64_t n1) {
     for (int64_t r = 0; r < M; ++r) y[r * N + n] = DotTail(x + r * K, w + n * K, 0, K);
 }
 
-void Work::RunKN(int64_t c0, int64_t c1) { KNScalar(*this, c0, c1); }
+void Work::RunKN(int64_t k0, int64_t k1, float* out) { KNScalar(*this, k0, k1, 0, out); }
 #endif
 
 ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x,
@@ -175,12 +178,29 @@ ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x,
   auto work = std::make_shared<Work>();
   work->M = M, work->N = N, work->K = K, work->kn = kn;
   work->x = x.typed_data(), work->w = w.typed_data(), work->y = y->typed_data();
-  const int64_t per = kn ? kColsPerTask : kRowsPerTask;
-  work->n_tasks = (N + per - 1) / per;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->n_tasks - 1);
+  work->n_tasks = kn ? std::max<int64_t>(1, (K + kKRowsPerTask - 1) / kKRowsPerTask)
+                     : (N + kRowsPerTask - 1) / kRowsPerTask;
+  thread_local std::vector<float> scratch;  // the caller's; helpers write it while it waits
+  if (kn && work->n_tasks > 1) {
+    const size_t need = static_cast<size_t>((work->n_tasks - 1) * M * N);
+    if (scratch.size() < need) scratch.resize(need);
+    work->part = scratch.data();
+  }
+  const bool serial = kn && K * N * 4 < g_kn_serial_bytes.load(std::memory_order_relaxed);
+  // Never more threads than cores: the caller is itself one of XLA's threads.
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t helpers = serial ? 0 :
+      std::min<int64_t>({pool.num_threads(), cores - 1, work->n_tasks - 1});
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work]() { work->Drain(); });
   work->Drain();
   while (work->done.load(std::memory_order_acquire) < work->n_tasks) std::this_thread::yield();
+  if (kn) {  // y = task 0's partial + the others', in task order
+    float* yd = work->y;
+    for (int64_t t = 1; t < work->n_tasks; ++t) {
+      const float* p = work->part + (t - 1) * M * N;
+      for (int64_t i = 0; i < M * N; ++i) yd[i] += p[i];
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -209,3 +229,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFMatmulKN, KNImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+// kn products of fewer weight bytes than this run on the calling thread alone (default
+// kKNSerialBytes); settable so measurements compare both in one process.
+extern "C" int64_t JaxserveFMatmulSetKNSerialBytes(int64_t bytes) {
+  g_kn_serial_bytes.store(bytes < 0 ? 0 : bytes);
+  return g_kn_serial_bytes.load();
+}
