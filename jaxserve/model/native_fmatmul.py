@@ -4,7 +4,8 @@ XLA:CPU runs a one-row dot at 13-19 GB/s of weight (a single-threaded loop for M
 from the ~41 GB/s the machine streams (notes/issue26_fp32.md). The kernel splits the weight
 over XLA's intra-op pool and the calling thread. Two layouts:
   - "nk": W f32[N, K], y = x @ W^T (the tied LM head over the embedding [V, E]);
-  - "kn": W f32[K, N], y = x @ W (the layers' canonical matrices; opt-in, see linear.py).
+  - "kn": W f32[K, N], y = x @ W (the layers' canonical matrices, at up to
+    `linear.FLOAT_NATIVE_MAX_ROWS` rows).
 Built and cached like the decode-attention kernel (`jaxserve.attention.native_cpu
 .NativeKernels`), registered as `jaxserve_fmatmul_nk` / `jaxserve_fmatmul_kn` for CPU.
 """
@@ -26,6 +27,16 @@ _SRC = Path(__file__).with_name("native") / "fmatmul.cc"
 _KERNELS = NativeKernels(_SRC, "fmatmul", {TARGETS[k]: _SYMBOLS[k] for k in TARGETS},
                          "native CPU float matmul")
 available, status = _KERNELS.available, _KERNELS.status  # build + register; cache-key part
+
+
+def kn_serial_bytes() -> int:
+    """Weight bytes below which a "kn" product runs on the calling thread alone (0 when
+    the kernel is unavailable)."""
+    if not available():
+        return 0
+    fn = _KERNELS._state["lib"].JaxserveFMatmulKNSerialBytes
+    fn.restype, fn.argtypes = ctypes.c_int64, []
+    return int(fn())
 
 
 def set_kn_serial_bytes(nbytes: int) -> int:

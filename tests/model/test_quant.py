@@ -73,8 +73,9 @@ def _quantize_x(x: np.ndarray, native: bool, kind: str = "q4") -> np.ndarray:
 
 @pytest.fixture(params=["int", "f32"], ids=["int_x", "f32_x"])
 def x_path(request):
-    """The native kernel's activation path for M <= 2: the integer one (where the CPU has
-    it) or the f32 one (`set_int_rows(0)`); restored afterwards."""
+    """The native kernel's activation path for M <= `int_rows` (16 for q4, 4 for q8): the
+    integer one (where the CPU has it) or the f32 one (`set_int_rows(0)`); restored
+    afterwards."""
     if not native_qmatmul.available():
         pytest.skip("no C++ compiler")
     before = native_qmatmul.int_rows()

@@ -7,22 +7,26 @@
 //   kn (jaxserve_fmatmul_kn): W f32[K, N], y = x @ W (the layers' canonical matrices).
 //       Split along K: task c owns the contiguous rows [k0, k1) of W (one sequential
 //       stream of memory) and writes the partial product x[:, k0:k1] @ W[k0:k1] into its
-//       own slice of a scratch buffer, 4 rows of W per pass over its partial row (kept in
-//       L1/L2); the caller then sums the partials in task order. The split depends on K
-//       alone, so the result is the same whichever threads ran the tasks, and each row of
-//       y depends only on its row of x (batch-invariant).
+//       own slice of a scratch buffer, one row of W at a time added into its partial rows
+//       (kept in L1/L2); the caller then sums the partials in task order. The split
+//       depends on K alone, so the result is the same whichever threads ran the tasks, and
+//       each row of y depends only on its row of x (the kernel is batch-invariant; the
+//       engine sends only up to linear.FLOAT_NATIVE_MAX_ROWS rows here, XLA the rest).
 //
 // Why: XLA:CPU runs a one-row dot at 13-19 GB/s of weight (a single-threaded loop for
 // M = 1); these kernels split the weight over XLA's intra-op pool (ffi::ThreadPool) and the
 // calling thread, in tasks of kRowsPerTask output rows (nk) or kKRowsPerTask rows of W
-// (kn), so the product runs near memory bandwidth. (The first kn kernel gave each task a
+// (kn). Measured (notes/issue26.md): the kn kernel at ~20-25 GB/s, 0.87-0.91x XLA's
+// time on SmolLM2's layer matrices at M = 1-2 (not faster at 3-4), below the ~46 GB/s
+// two streaming threads reach here. (The first kn kernel gave each task a
 // block of 64 output columns over all of K: 256 bytes of each row of W, one row apart, a
 // strided walk that ran at ~9 GB/s against XLA's ~18.) Any K and N: tails are scalar.
-// Without AVX2 a portable scalar loop computes the same sums.
+// Without AVX2 a portable scalar loop computes the same sums in the same order (kn: the
+// same fused multiply-adds, so the same bits; nk: separate multiply and add).
 #include <algorithm>
-#include <cmath>
-#include <cstdlib>
 #include <atomic>
+#include <cmath>
+#include <new>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -40,8 +44,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kRowsPerTask = 32;  // nk: output rows (= weight rows) per task
-constexpr int64_t kKRowsPerTask = 64;
-constexpr bool USE4 = false;  // kn: rows of W (along K) per task
+constexpr int64_t kKRowsPerTask = 64;  // kn: rows of W (along K) per task
+// kn: at most this many bytes of partial products; past it (many rows of x, a large
+// weight) the product runs as one task, with no scratch.
+constexpr int64_t kKNMaxScratchBytes = int64_t{64} << 20;
 // kn products of fewer weight bytes than this run on the calling thread alone (waking the
 // pool costs more than it saves).
 constexpr int64_t kKNSerialBytes = int64_t{1} << 19;
@@ -73,21 +79,23 @@ struct Work {
   }
 };
 
-// Scalar pieces shared by both builds: one output of nk, and kn over a column range.
+// Scalar pieces: one output of nk (also the AVX2 tail), and kn without AVX2.
 inline float DotTail(const float* a, const float* b, int64_t k0, int64_t K) {
   float s = 0.f;
   for (int64_t k = k0; k < K; ++k) s += a[k] * b[k];
   return s;
 }
 
-// out[r, c0:c1] = sum over k in [k0, k1) of x[r, k] * W[k, c0:c1], k in order.
-void KNScalar(const Work& w, int64_t k0, int64_t k1, int64_t c0, float* out) {
-  for (int64_t r = 0; r < w.M; ++r) {
-    float* yr = out + r * w.N;
-    for (int64_t c = c0; c < w.N; ++c) {
-      float acc = 0.f;
-      for (int64_t k = k0; k < k1; ++k) acc += w.x[r * w.K + k] * w.w[k * w.N + c];
-      yr[c] = acc;
+// out[:, :] = x[:, k0:k1] @ W[k0:k1, :] as the AVX2 RunKN does it: W's rows in order, one
+// fused multiply-add per element into the zeroed partial rows (the same bits).
+void KNScalar(const Work& w, int64_t k0, int64_t k1, float* out) {
+  std::fill(out, out + w.M * w.N, 0.f);
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w.w + k * w.N;
+    for (int64_t r = 0; r < w.M; ++r) {
+      const float xv = w.x[r * w.K + k];
+      float* o = out + r * w.N;
+      for (int64_t c = 0; c < w.N; ++c) o[c] = std::fma(xv, wk[c], o[c]);
     }
   }
 }
@@ -134,10 +142,11 @@ void Work::RunNK(int64_t n0, int64_t n1) {
   for (; n < n1; ++n) RowsNK<1>(*this, n);
 }
 
-// out[:, :] = x[:, k0:k1] @ W[k0:k1, :]: the rows of W in order, 4 at a time, each 8-float
-// column chunk of every row of x updated in place (out stays in L1/L2; W is read once, as
-// one sequential stream). The sum for one output is ((x0 w0 + x1 w1) + x2 w2) + x3 w3 per
-// group of 4 rows, groups added in order: the same whatever M is.
+// out[:, :] = x[:, k0:k1] @ W[k0:k1, :]: W's rows in order, one at a time, each added into
+// every partial row of out (8-float chunks, then a scalar tail), out staying in L1/L2 and W
+// read once as one sequential stream. (Four rows of W per pass, i.e. four streams, measured
+// slower.) One output's sum is the chain of fused multiply-adds over k from 0: the same
+// whatever M is.
 void Work::RunKN(int64_t k0, int64_t k1, float* out) {
   const int64_t n8 = N & ~int64_t{7};
   for (int64_t r = 0; r < M; ++r) std::fill(out + r * N, out + (r + 1) * N, 0.f);
@@ -158,7 +167,7 @@ void Work::RunNK(int64_t n0, int64_t n1) {
     for (int64_t r = 0; r < M; ++r) y[r * N + n] = DotTail(x + r * K, w + n * K, 0, K);
 }
 
-void Work::RunKN(int64_t k0, int64_t k1, float* out) { KNScalar(*this, k0, k1, 0, out); }
+void Work::RunKN(int64_t k0, int64_t k1, float* out) { KNScalar(*this, k0, k1, out); }
 #endif
 
 ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x,
@@ -180,15 +189,21 @@ ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x,
   work->x = x.typed_data(), work->w = w.typed_data(), work->y = y->typed_data();
   work->n_tasks = kn ? std::max<int64_t>(1, (K + kKRowsPerTask - 1) / kKRowsPerTask)
                      : (N + kRowsPerTask - 1) / kRowsPerTask;
+  if (kn && (work->n_tasks - 1) * M * N * 4 > kKNMaxScratchBytes) work->n_tasks = 1;
   thread_local std::vector<float> scratch;  // the caller's; helpers write it while it waits
   if (kn && work->n_tasks > 1) {
     const size_t need = static_cast<size_t>((work->n_tasks - 1) * M * N);
-    if (scratch.size() < need) scratch.resize(need);
+    try {
+      if (scratch.size() < need) scratch.resize(need);
+    } catch (const std::bad_alloc&) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        "fmatmul_kn: no memory for " + std::to_string(need) + " partial sums");
+    }
     work->part = scratch.data();
   }
   const bool serial = kn && K * N * 4 < g_kn_serial_bytes.load(std::memory_order_relaxed);
   // Never more threads than cores: the caller is itself one of XLA's threads.
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  static const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
   const int64_t helpers = serial ? 0 :
       std::min<int64_t>({pool.num_threads(), cores - 1, work->n_tasks - 1});
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work]() { work->Drain(); });
@@ -232,6 +247,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFMatmulKN, KNImpl,
 
 // kn products of fewer weight bytes than this run on the calling thread alone (default
 // kKNSerialBytes); settable so measurements compare both in one process.
+extern "C" int64_t JaxserveFMatmulKNSerialBytes() { return g_kn_serial_bytes.load(); }
+
 extern "C" int64_t JaxserveFMatmulSetKNSerialBytes(int64_t bytes) {
   g_kn_serial_bytes.store(bytes < 0 ? 0 : bytes);
   return g_kn_serial_bytes.load();

@@ -289,7 +289,7 @@ ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const v
 #endif
   // Small products run on the calling thread: handing tasks to the pool costs more
   // than it saves below ~kSerialWork multiply-adds; never more threads than cores.
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  static const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
   const int64_t helpers = M * N * K < g_serial_work.load(std::memory_order_relaxed) ? 0 :
       std::min<int64_t>({pool.num_threads(), cores - 1, w->n_tasks - 1});
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([w]() { w->Drain(); });

@@ -1,5 +1,6 @@
 // Part of qmatmul.cc (included inside its anonymous namespace, after `Work` and the
-// AVX2 helpers): the integer-dot-product path for up to kIntMaxRows rows of x.
+// AVX2 helpers): the integer-dot-product path for up to kIntMaxRows rows of x (q4;
+// kIntMaxRowsQ8 for q8).
 // Defines JAXSERVE_INT_DOT, QuantX, QuantizeX and RunInt<Q4> when the CPU has
 // AVX-512 VNNI (+BW, VL) and F16C; nothing otherwise.
 #pragma once
