@@ -77,12 +77,18 @@ def _uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-_CONSTANT_IDS: set[int] = set()  # ids of `constant_array`'s arrays (all kept alive)
+# id -> every array `constant_array` ever made, held here so that no id is ever reused by
+# another object. lru_cache alone does not: two threads missing the same key at once (the
+# engine's steps and a background warm-up) both run the function, only one result is
+# cached, and the other died with its id still registered; a later batch array born at that
+# address was then taken for a constant and swapped for a stale device copy (seen as
+# "compiled with int32[4] and called with float32[4]", and silently when dtypes matched).
+_CONSTANTS: dict[int, np.ndarray] = {}
 
 
 def is_constant_array(x: object) -> bool:
     """Whether `x` is one of `constant_array`'s shared arrays (not merely read-only)."""
-    return id(x) in _CONSTANT_IDS
+    return _CONSTANTS.get(id(x)) is x
 
 
 @functools.lru_cache(maxsize=None)  # one per (S bucket, width): a handful, never evicted
@@ -97,7 +103,7 @@ def constant_array(shape: tuple[int, ...], value: int, dtype: str) -> np.ndarray
     """
     a = np.full(shape, value, np.dtype(dtype))
     a.flags.writeable = False
-    _CONSTANT_IDS.add(id(a))
+    _CONSTANTS[id(a)] = a  # kept for good (see _CONSTANTS): its id stays its own
     return a
 
 
