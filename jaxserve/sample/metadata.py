@@ -79,10 +79,10 @@ def _uses_penalties(p: SamplingParams) -> bool:
 
 # id -> every array `constant_array` ever made, held here so that no id is ever reused by
 # another object. lru_cache alone does not: two threads missing the same key at once (the
-# engine's steps and a background warm-up) both run the function, only one result is
-# cached, and the other died with its id still registered; a later batch array born at that
-# address was then taken for a constant and swapped for a stale device copy (seen as
-# "compiled with int32[4] and called with float32[4]", and silently when dtypes matched).
+# warm-up's compile threads laying out padding batches) both run the function, only one
+# result is cached, and the other died with its id still registered; a later batch array
+# born at that address was then taken for a constant and swapped for a stale device copy
+# ("compiled with int32[4] and called with float32[4]"; silent when the dtypes matched).
 _CONSTANTS: dict[int, np.ndarray] = {}
 
 
