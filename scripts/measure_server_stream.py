@@ -4,8 +4,8 @@ fake runner's FIFO device (D ms a step) with SmolLM2's tokenizer detokenizing ev
     PYTHONPATH=. .venv/bin/python scripts/measure_server_stream.py --clients=64 --device_ms=1
 
 The server (engine thread + asyncio HTTP loop, one process, as `jaxserve serve` runs; with
---engine_process the engine in a child process of its own) is a subprocess; the clients run in this process (their own GIL), each a streaming
-/v1/completions request with `ignore_eos` and `continuous_usage_stats`, so every SSE event
+--engine_process the engine in a child process of its own) is a subprocess; the clients
+run in this process (their own GIL), each a streaming /v1/completions request with `ignore_eos` and `continuous_usage_stats`, so every SSE event
 says how many tokens the request has. The window starts once every client has had its
 first event and ends when the first client finishes. Printed: the client-side tokens per
 request per second (goal 1000 / D), SSE events per request per second, and the engine's

@@ -93,7 +93,7 @@ def build_library(src_path: Path, stem: str) -> Path:
 class NativeKernels:
     """One C++ source built once per process (`build_library`) whose exported XLA FFI
     handlers are registered as XLA:CPU custom-call targets. Shared by the decode-attention
-    kernel here and `jaxserve.model.native_qmatmul`.
+    kernel here, `jaxserve.model.native_qmatmul` and `jaxserve.model.native_fmatmul`.
 
     Args:
       src: the .cc file; stem: the library's file-name stem; targets: {custom-call target
@@ -132,6 +132,16 @@ class NativeKernels:
     def unavailable_reason(self) -> str | None:
         """Why `available()` returned False (None if it was never called or succeeded)."""
         return self._state.get("reason")
+
+    def call_int64(self, name: str, *args: int, default: int = 0) -> int:
+        """The library's exported `int64_t name(int64_t...)` called with `args` (the
+        process-wide knobs the kernels' measurements read and set), or `default` where the
+        library does not load."""
+        if not self.available():
+            return default
+        fn = getattr(self._state["lib"], name)
+        fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64] * len(args)
+        return int(fn(*args))
 
 
 _KERNELS = NativeKernels(_SRC, "paged_decode", dict(TARGETS.values()),

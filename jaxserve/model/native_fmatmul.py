@@ -12,7 +12,6 @@ Built and cached like the decode-attention kernel (`jaxserve.attention.native_cp
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import jax
@@ -32,11 +31,7 @@ available, status = _KERNELS.available, _KERNELS.status  # build + register; cac
 def kn_serial_bytes() -> int:
     """Weight bytes below which a "kn" product runs on the calling thread alone (0 when
     the kernel is unavailable)."""
-    if not available():
-        return 0
-    fn = _KERNELS._state["lib"].JaxserveFMatmulKNSerialBytes
-    fn.restype, fn.argtypes = ctypes.c_int64, []
-    return int(fn())
+    return _KERNELS.call_int64("JaxserveFMatmulKNSerialBytes")
 
 
 def set_kn_serial_bytes(nbytes: int) -> int:
@@ -45,11 +40,7 @@ def set_kn_serial_bytes(nbytes: int) -> int:
     measurements that compare both in one process; no recompile, and the result is the
     same either way (the K split does not depend on the threads). Returns the value in
     force (0 when the kernel is unavailable)."""
-    if not available():
-        return 0
-    fn = _KERNELS._state["lib"].JaxserveFMatmulSetKNSerialBytes
-    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64]
-    return int(fn(nbytes))
+    return _KERNELS.call_int64("JaxserveFMatmulSetKNSerialBytes", nbytes)
 
 
 def fmatmul(x: jax.Array, w: jax.Array, *, layout: str) -> jax.Array:

@@ -10,7 +10,6 @@ Built and cached like the decode-attention kernel (`jaxserve.attention.native_cp
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import jax
@@ -28,12 +27,6 @@ _KERNELS = NativeKernels(_SRC, "qmatmul", {TARGETS[k]: _SYMBOLS[k] for k in TARG
 available, status = _KERNELS.available, _KERNELS.status  # build + register; cache-key part
 
 
-def _lib_fn(name: str):
-    fn = getattr(_KERNELS._state["lib"], name)
-    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64] if "Set" in name else []
-    return fn
-
-
 def int_rows(kind: str = "q4") -> int:
     """Rows of x up to which the kernel quantizes x to two int8 digits per 32-element
     block and uses integer dot products on `kind` ("q4" or "q8") weights (0: it keeps x in
@@ -46,9 +39,8 @@ def int_rows(kind: str = "q4") -> int:
     """
     if kind not in ("q4", "q8"):
         raise ValueError(f"kind={kind!r} must be 'q4' or 'q8'")
-    if not available():
-        return 0
-    return int(_lib_fn("JaxserveQMatmulIntRows" if kind == "q4" else "JaxserveQMatmulIntRowsQ8")())
+    return _KERNELS.call_int64("JaxserveQMatmulIntRows" if kind == "q4"
+                               else "JaxserveQMatmulIntRowsQ8")
 
 
 def set_int_rows(rows: int) -> int:
@@ -56,19 +48,19 @@ def set_int_rows(rows: int) -> int:
     0 runs the f32-activation kernels), for measurements that compare both paths in one
     process (scripts/measure_quant_drift.py); compiled programs need no recompile.
     Returns the value in force."""
-    return int(_lib_fn("JaxserveQMatmulSetIntRows")(rows)) if available() else 0
+    return _KERNELS.call_int64("JaxserveQMatmulSetIntRows", rows)
 
 
 def serial_work() -> int:
     """Multiply-adds (M * N * K) below which the kernel runs a product on the calling
     thread alone (above: XLA's intra-op pool helps); 0 if the kernel is unavailable."""
-    return int(_lib_fn("JaxserveQMatmulSerialWork")()) if available() else 0
+    return _KERNELS.call_int64("JaxserveQMatmulSerialWork")
 
 
 def set_serial_work(work: int) -> int:
     """Set the process-wide `serial_work` (>= 0; 0 threads every product), for
     measurements in one process; no recompile. Returns the value in force."""
-    return int(_lib_fn("JaxserveQMatmulSetSerialWork")(work)) if available() else 0
+    return _KERNELS.call_int64("JaxserveQMatmulSetSerialWork", work)
 
 
 def quantize_x(x: np.ndarray) -> np.ndarray:

@@ -151,9 +151,9 @@ void Work::RunKN(int64_t k0, int64_t k1, float* out) {
   const int64_t n8 = N & ~int64_t{7};
   for (int64_t r = 0; r < M; ++r) std::fill(out + r * N, out + (r + 1) * N, 0.f);
   for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w + k * N;
     for (int64_t r = 0; r < M; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * K + k);
-      const float* wk = w + k * N;
       float* o = out + r * N;
       for (int64_t c = 0; c < n8; c += 8)
         _mm256_storeu_ps(o + c, _mm256_fmadd_ps(a, _mm256_loadu_ps(wk + c), _mm256_loadu_ps(o + c)));

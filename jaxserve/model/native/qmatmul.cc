@@ -6,9 +6,9 @@
 //   q4: q u8[N, K/2], scale, min f16[N, K/32]       w = scale * nib + min
 //       (byte j of a 32-block: element j in the low nibble, element j + 16 in the high one)
 //
-// Up to kIntMaxRows rows of x (decode; kIntMaxRowsQ8 for q8) with AVX-512 VNNI: x is quantized once per call to
-// two int8 digits per 32-element block and multiplied by the raw weight bytes with integer
-// dot products (the "Integer dot products" section). Otherwise up to kDirectRows rows:
+// Up to kIntMaxRows rows of x (decode; kIntMaxRowsQ8 for q8) with AVX-512 VNNI: x is
+// quantized once per call to two int8 digits per 32-element block and multiplied by the raw
+// weight bytes with integer dot products (the "Integer dot products" section). Otherwise up to kDirectRows rows:
 // 4 weight rows x 1-2 rows of x dequantized in registers (AVX2/FMA, f32 x); more rows:
 // each task dequantizes its 32 weight rows once into an f32 panel (L2) and runs 4 x 3 fp32
 // register tiles. K and block must be multiples of 32. Output rows are split into tasks of
@@ -63,7 +63,7 @@ constexpr int64_t kRowsPerTask = 32;
 constexpr int64_t kDirectRows = 2;  // up to this many rows of x: dequantize in registers
 // Up to this many rows of x: integer dot products. q4: at M = 5-16 they beat the f32
 // panel 1.1-2.1x on SmolLM2's layer shapes with the weights streamed from memory (as in a
-// decode step), and break even at M = 32 (notes/issue26.md, sixth session; at M = 3 the
+// decode step), and break even at M = 32 (notes/issue26.md, fifth session; at M = 3 the
 // first measurement, notes/issue26_q4.md, had 0.16 vs 0.24 ms on mlp_up). q8: the tied
 // head [49152, 576] runs 0.71-0.93x the panel's speed at M = 8-32, so its cut stays at 4.
 constexpr int64_t kIntMaxRows = 16;
@@ -212,6 +212,12 @@ std::atomic<int64_t> g_int_rows{kIntMaxRows};
 std::atomic<int64_t> g_int_rows{0};
 #endif
 
+// The integer path's row cut for q4 or q8 weights (q8: at most kIntMaxRowsQ8).
+int64_t IntRows(bool q4) {
+  const int64_t rows = g_int_rows.load(std::memory_order_relaxed);
+  return q4 ? rows : std::min(rows, kIntMaxRowsQ8);
+}
+
 #ifdef __AVX2__
 
 template <bool Q4>
@@ -282,8 +288,7 @@ ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const v
   w->n_tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
 #ifdef JAXSERVE_INT_DOT
   thread_local QuantX xq;  // the calling thread's; helpers only read it while it waits
-  const int64_t int_rows = g_int_rows.load(std::memory_order_relaxed);
-  if (M <= (q4 ? int_rows : std::min(int_rows, kIntMaxRowsQ8)) && QuantizeX(w->x, M, K, q4, xq)) {
+  if (M <= IntRows(q4) && QuantizeX(w->x, M, K, q4, xq)) {
     w->xq = &xq;
   }
 #endif
@@ -345,9 +350,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmulQ4, Q4Impl,
 // AVX-512 VNNI; settable up to kIntCapRows (measurements compare both paths).
 extern "C" int64_t JaxserveQMatmulIntRows() { return g_int_rows.load(); }
 
-extern "C" int64_t JaxserveQMatmulIntRowsQ8() {
-  return std::min(g_int_rows.load(), kIntMaxRowsQ8);
-}
+extern "C" int64_t JaxserveQMatmulIntRowsQ8() { return IntRows(false); }
 
 extern "C" int64_t JaxserveQMatmulSetIntRows(int64_t rows) {
 #ifdef JAXSERVE_INT_DOT
