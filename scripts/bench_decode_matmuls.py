@@ -1,0 +1,133 @@
+"""Decode-sized matmuls with the weights streamed from memory, as in a decode step (issue 26).
+
+Each product in a chain reads a different weight (dozens of them, more than the caches
+hold), so a product costs what it costs inside a step, not what a warm-cache loop says
+(`scripts/bench_qmatmul.py` times one weight again and again). Two tables, each variant
+interleaved with the others in one process, medians of --reps:
+
+  quant  the native quantized kernel's integer-dot path against its f32 panel at M rows
+         (`native_qmatmul.set_int_rows`: 64 puts every M on the integer path, 4 keeps the
+         panel above 4 rows), on SmolLM2's Q4 layer shapes. This chose q4's cut of 16
+         (notes/issue26.md). q8's cut of 4 came from the same chains over the tied Q8_0
+         head [49152, 576], run before q8 got a cut of its own (the kernel now keeps q8 at
+         <= 4 rows whatever `set_int_rows` says, so it cannot be rerun from here).
+  float  30 layers' worth of SmolLM2's fp32 matrices [K, N] (425 MB): XLA's dot against
+         the native "kn" kernel serial, threaded, and as shipped
+         (`native_fmatmul.set_kn_serial_bytes`). This chose `linear.FLOAT_NATIVE_MAX_ROWS`.
+
+  PYTHONPATH=. .venv/bin/python scripts/bench_decode_matmuls.py --table=quant,float
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model import linear, native_fmatmul, native_qmatmul, quant
+
+QUANT_SHAPES = {"mlp_up Q4 [1536, 576]": (1536, 576, 60),
+                "mlp_down Q4 [576, 1536]": (576, 1536, 60),
+                "q / o Q4 [576, 576]": (576, 576, 100)}  # (N, K, weights in the chain)
+LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576),
+                (576, 1536)]  # (N, K): q, k, v, o, gate, up, down
+
+
+def _chain(m: int, product, k_of):
+    """A jitted chain of products of x [m, k_of(w)] with each weight w; every input
+    depends on the previous output, so XLA runs them one after another."""
+    def f(x, ws):
+        acc = jnp.zeros((m, 1), jnp.float32)
+        for w in ws:
+            y = product(jnp.broadcast_to(x[:, :1], (m, k_of(w))) + acc, w)
+            acc = acc + y[:, :1] * 1e-9
+        return acc
+    return jax.jit(f)
+
+
+def _time(variants: dict, reps: int) -> dict[str, float]:
+    """{name: median seconds} of `variants` {name: (set-up callable, run callable)}, the
+    rounds interleaved."""
+    for setup, run in variants.values():
+        setup()
+        jax.block_until_ready(run())
+    out: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(reps):
+        for name, (setup, run) in variants.items():
+            setup()
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            out[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def quant_table(rows: list[int], reps: int) -> None:
+    rng = np.random.default_rng(0)
+    before = native_qmatmul.int_rows()
+    print("| shape | M | integer path ms | f32 panel ms | ratio |\n|---|---|---|---|---|")
+    try:
+        for name, (n, k, count) in QUANT_SHAPES.items():
+            ws = [jax.device_put(quant.quantize_q4(rng.standard_normal((n, k)).astype(np.float32)))
+                  for _ in range(count)]
+            prod = lambda a, w: linear.quantized_matmul(a, w, native=True)  # noqa: E731
+            for m in rows:
+                x = jax.device_put(rng.standard_normal((m, k)).astype(np.float32))
+                g = _chain(m, prod, lambda w: k)
+                t = _time({"int": (lambda: native_qmatmul.set_int_rows(64), lambda: g(x, ws)),
+                           "panel": (lambda: native_qmatmul.set_int_rows(4), lambda: g(x, ws))},
+                          reps)
+                i, p = t["int"] / count * 1e3, t["panel"] / count * 1e3
+                print(f"| {name} | {m} | {i:.3f} | {p:.3f} | {p / i:.2f}x |", flush=True)
+    finally:
+        native_qmatmul.set_int_rows(before)
+
+
+def float_table(rows: list[int], reps: int) -> None:
+    rng = np.random.default_rng(0)
+    ws = [jax.device_put(rng.standard_normal((k, n)).astype(np.float32) * 0.01)
+          for _ in range(30) for (n, k) in LAYER_SHAPES]
+    nbytes = sum(w.nbytes for w in ws)
+    before, knob = native_fmatmul.kn_serial_bytes(), native_fmatmul.set_kn_serial_bytes
+    print(f"| M | XLA dot | kn serial | kn threaded | kn as shipped | ({nbytes / 1e6:.0f} MB, "
+          "ms) |\n|---|---|---|---|---|---|")
+    try:
+        for m in rows:
+            x = jax.device_put(rng.standard_normal((m, 576)).astype(np.float32))
+            xla = _chain(m, lambda a, w: a @ w, lambda w: w.shape[0])
+            nat = _chain(m, lambda a, w: native_fmatmul.fmatmul(a, w, layout="kn"),
+                         lambda w: w.shape[0])
+            t = _time({"xla": (lambda: None, lambda: xla(x, ws)),
+                       "serial": (lambda: knob(1 << 40), lambda: nat(x, ws)),
+                       "threaded": (lambda: knob(0), lambda: nat(x, ws)),
+                       "shipped": (lambda: knob(before), lambda: nat(x, ws))}, reps)
+            print(f"| {m} | " + " | ".join(f"{t[k] * 1e3:.2f}" for k in
+                                           ("xla", "serial", "threaded", "shipped"))
+                  + f" | {t['shipped'] / t['xla']:.2f}x XLA |", flush=True)
+    finally:
+        knob(before)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", default="quant,float")
+    ap.add_argument("--quant_rows", default="4,5,8,16,32")
+    ap.add_argument("--float_rows", default="1,2,3,4")
+    ap.add_argument("--reps", type=int, default=7)
+    a = ap.parse_args()
+    print("load average:", os.getloadavg())
+    if not (native_qmatmul.available() and native_fmatmul.available()):
+        raise SystemExit("the native kernels are unavailable here (no C++ compiler?)")
+    tables = a.table.split(",")
+    if "quant" in tables:
+        quant_table([int(r) for r in a.quant_rows.split(",")], a.reps)
+    if "float" in tables:
+        float_table([int(r) for r in a.float_rows.split(",")], a.reps)
+
+
+if __name__ == "__main__":
+    main()
