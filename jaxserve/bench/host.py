@@ -26,7 +26,10 @@ also attention and sampling metadata), update_from_output, output processing
 device copy, the programs' launch) and `tp.fetch` (waiting for them, the copy back),
 timed as they run. `--stream_interval=k` gives each request an output every k tokens
 (vLLM's; the default 1 is every token). `--no_async` turns the engine's `async_scheduling` off (the serial
-loop: plan, run, fetch, process outputs, then plan the next).
+loop: plan, run, fetch, process outputs, then plan the next). `--placeholders=off` keeps
+async scheduling but plans step n+1 only once step n's tokens are back (the runner's
+`placeholders_ok` forced False: the loop before output placeholders); `ab` runs each case
+on, off, on, off in one process (the machine's drift hits both alike).
 """
 
 from __future__ import annotations
@@ -155,11 +158,14 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
 
 def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokenizer: Any,
              async_scheduling: bool = True, stream_interval: int = 1,
-             log: Callable[[str], None] = print) -> HostResult:
-    """Time one case (see the module doc); all `rows` requests decode throughout."""
+             placeholders: bool = True, log: Callable[[str], None] = print) -> HostResult:
+    """Time one case (see the module doc); all `rows` requests decode throughout.
+    `placeholders=False`: the runner refuses plans made ahead (`placeholders_ok`)."""
     from jaxserve.sampling_params import SamplingParams
 
     engine = _engine(rows, device_ms, real, tokenizer, async_scheduling, stream_interval)
+    if not placeholders:
+        engine.runner.placeholders_ok = lambda: False
     # The heap a server process has after warm-up (`freeze_gc_heap` runs once a process,
     # so a second case here would otherwise run with its engine unfrozen).
     gc.collect()
@@ -206,6 +212,7 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
     host = period - wait / steps
     res = HostResult(
         runner=("model_runner(tiny)" if real else "fake") + ("" if async_scheduling else ",serial")
+        + ("" if placeholders or not async_scheduling else ",no_ph")
         + ("" if stream_interval == 1 else f",k={stream_interval}"),
         rows=rows,
         device_ms=None if real else device_ms, steps=steps, seconds=round(wall, 3),
@@ -246,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the engine's stream_interval (vLLM's): tokens per output")
     ap.add_argument("--no_async", action="store_true",
                     help="async_scheduling off: the serial loop, for an A/B")
+    ap.add_argument("--placeholders", choices=("on", "off", "ab"), default="on",
+                    help="plan step n+1 before step n's tokens are back (on), only after "
+                    "(off), or each case on, off, on, off (ab)")
     a = ap.parse_args(argv)
     from jaxserve.checkpoint.loader import load_tokenizer
 
@@ -254,11 +264,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     dms = [None] if a.real else [float(x) for x in a.device_ms.split(",") if x]
     import os
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    ph = {"on": (True,), "off": (False,), "ab": (True, False, True, False)}[a.placeholders]
     results = [asdict(run_case(n, d or 0.0, seconds=a.seconds, real=a.real, tokenizer=tok,
                                async_scheduling=not a.no_async,
-                               stream_interval=a.stream_interval,
+                               stream_interval=a.stream_interval, placeholders=p,
                                log=lambda s: print(s, flush=True)))
-               for d in dms for n in rows]
+               for d in dms for n in rows for p in ph]
     print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -262,8 +262,8 @@ def observe_schedules(scheduler: Scheduler, sink: list) -> Iterator[None]:
     """Append every SchedulerOutput the engine's scheduler returns to `sink` (benchmark probe)."""
     orig = scheduler.schedule
 
-    def recording(token_cap=None):
-        out = orig(token_cap)
+    def recording(token_cap=None, **kw):  # kw: `ahead`
+        out = orig(token_cap, **kw)
         if not out.is_empty:
             sink.append(out)
         return out

@@ -17,6 +17,12 @@ processor advances the matcher by each token. Not thread-safe: use one thread.
 
 Async scheduling (vLLM's, issue 24; `EngineConfig.async_scheduling`): `step()` dispatches
 the next step (`Runner.dispatch`) before it processes the outputs of the one it fetched.
+Where the runner can take them (`Runner.placeholders_ok`), the next step is planned and
+dispatched before this one's tokens are even back, with output placeholders (vLLM V1's
+`num_output_placeholders`): each decode row reads its input token from the step before
+on the device, and the host's planning and layout run while the device computes. A step
+with structured-output rows, penalised rows or scoring rows plans the next one only after
+its tokens are back (README "Policies worth knowing").
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.args import _eos_token_ids
+from jaxserve.engine.control import EngineControl
 from jaxserve.engine.input_processor import InputProcessor, ProcessedRequest
 from jaxserve.engine.lora import EngineLoRA
 from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
@@ -47,7 +54,7 @@ from jaxserve.scheduler.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineControl):
     """The engine: continuous batching over a paged KV cache with bucketed steps.
 
     Args:
@@ -246,10 +253,19 @@ class LLMEngine:
         if self._inflight is None and not self._dispatch(outs):
             return outs
         (out, handle), self._inflight = self._inflight, None
+        if overlap is None:
+            overlap = self.async_scheduling
+        # Step n+1 planned and dispatched now, its decode rows reading step n's tokens on
+        # the device; a failure of its dispatch is applied after step n's outputs, where
+        # the serial loop would meet it.
+        ahead_failed = None
+        if overlap and self._can_plan_ahead(out):
+            ahead_failed = self._dispatch(outs, ahead=True)
         self.last_step_tokens = out.num_scheduled_tokens
         try:
             results = handle.result()
         except Exception as e:  # one bad step fails its requests, never the engine
+            self._drop_ahead(ahead_failed)  # it read this step's tokens
             return outs + self._fail_step(out, e)
         changed: list[str] = []
         # One pass over the rows. Rows whose request ended while the step ran (a stop
@@ -275,12 +291,10 @@ class LLMEngine:
         self.scheduler.update_from_output(out, tokens)
         self.provenance.record(sampled, self.weight_version)
         grammar = self.grammars is not None and self.grammars.num_compiled
-        if overlap is None:
-            overlap = self.async_scheduling
         # A row that sampled under a grammar must accept its token before its next mask:
         # after such a step the next is planned only once the matchers have advanced.
-        if (overlap and out.grammar is None and not self.pauser.paused
-                and not self.sleeper.is_sleeping):
+        if (overlap and self._inflight is None and ahead_failed is None and out.grammar is None
+                and not self.pauser.paused and not self.sleeper.is_sleeping):
             self._dispatch(outs)  # step n+1 runs while step n's outputs are processed
         progressed, fin = self.outputs.process_tokens(sampled, time.monotonic())
         self._apply(fin)
@@ -289,25 +303,55 @@ class LLMEngine:
             progressed, fin = self.outputs.advance_grammars(sampled)
             self._apply(fin)
             changed += progressed
-        return outs + self.outputs.collect(changed)
+        outs += self.outputs.collect(changed)
+        if ahead_failed is not None:
+            outs += self._fail_step(*ahead_failed)
+        return outs
 
-    def _dispatch(self, outs: list[RequestOutput]) -> bool:
-        """Plan a step and dispatch it to the runner (`self._inflight`); False when it has
+    def _can_plan_ahead(self, out: Any) -> bool:
+        """Whether the step after `out` may be planned before `out`'s tokens are back: no
+        grammar row in `out` (its matcher must accept the token first), not pausing or
+        asleep, and a runner that can feed placeholders (no penalised or scoring rows)."""
+        if out.grammar is not None or self.pauser.paused or self.sleeper.is_sleeping:
+            return False
+        ok = getattr(self.runner, "placeholders_ok", None)
+        return ok is not None and ok()
+
+    def _dispatch(self, outs: list[RequestOutput], *, ahead: bool = False) -> Any:
+        """Plan a step and dispatch it to the runner (`self._inflight`); falsy when it has
         no rows (then it only tells the runner what ended). A step that fails to dispatch
-        fails its requests, their outputs appended to `outs`."""
-        out = self.scheduler.schedule(self.runner.token_cap)
+        fails its requests, their outputs appended to `outs`; planned `ahead` (before the
+        step in flight's tokens are back, `Scheduler.schedule(ahead=True)`) its
+        (plan, error) is returned instead, for the caller to fail after that step."""
+        out = self.scheduler.schedule(self.runner.token_cap, ahead=ahead)
         self.outputs.on_scheduled(out, time.monotonic())
         if not out.scheduled:  # still the runner's: it drops the finished and preempted
             self.runner.execute(out)
-            return False
+            return None if ahead else False
         try:
             dispatch = getattr(self.runner, "dispatch", None)
             handle = dispatch(out) if dispatch is not None else DoneStep(self.runner.execute(out))
         except Exception as e:
+            if ahead:
+                return out, e
             outs += self._fail_step(out, e)
             return False
         self._inflight = (out, handle)
-        return True
+        return None if ahead else True
+
+    def _drop_ahead(self, failed: tuple[Any, Exception] | None) -> None:
+        """The step before the one planned ahead failed: the one in flight read its tokens,
+        so it is waited for, its tokens dropped and its plan taken back (as is the plan
+        whose dispatch `failed`, if that is what happened to it)."""
+        if failed is not None:
+            self.scheduler.unschedule(failed[0])
+        if self._inflight is not None:
+            (out, handle), self._inflight = self._inflight, None
+            try:
+                handle.result()
+            except Exception:  # its own failure changes nothing: it is taken back anyway
+                logger.debug("the step planned ahead of a failed step failed too", exc_info=True)
+            self.scheduler.unschedule(out)
 
     def _fail_step(self, out: Any, e: Exception) -> list[RequestOutput]:
         logger.error("engine step failed", exc_info=e)
@@ -386,76 +430,6 @@ class LLMEngine:
             self.resume_generation()
         self.scheduler.reset_prefix_cache(stale_held=True)  # kept requests' KV is old
         return self.weight_version
-
-    def pause_generation(self, mode: str = "abort", *, _new_version: int | None = None) -> None:
-        """Pause between two steps (vLLM's `pause_generation`, SGLang's abort /
-        in_place / retract); `step()` then schedules nothing until `resume_generation()`.
-
-        Modes for the requests in flight: "abort" fails them (finish_reason "error");
-        "wait" admits nobody new and runs this engine's own steps until the running
-        ones finish; "keep" leaves them with their KV, to go on after resume (over
-        new weights if `update_params` ran meanwhile); "retract" preempts them by
-        recompute, so after resume they rerun prompt + tokens so far. Outputs of
-        requests that ended come back from the next `step()` calls.
-
-        Raises:
-          ValueError: an unknown mode, or already paused.
-        """
-        self._drain()
-        new = self.weight_version + 1 if _new_version is None else _new_version
-        msg = (f"weights updated from version {self.weight_version} to {new} while the "
-               f"request was in flight" if _new_version is not None else
-               f"generation paused (mode 'abort') at weight version {self.weight_version}")
-        self._pending += self.pauser.pause(mode, msg)
-
-    def resume_generation(self) -> None:
-        """Resume after `pause_generation`. Raises ValueError when not paused, or when
-        the pause is a sleep's (`wake_up` ends that one)."""
-        if self.sleeper.is_sleeping and self.sleeper.state.own_pause:
-            raise ValueError("resume_generation: the engine is asleep; call wake_up()")
-        self.pauser.resume()
-
-    def sleep(self, level: int = 1, *, mode: str = "abort", reject_new: bool = False,
-              discard_weights: bool = False) -> None:
-        """Free device memory until `wake_up()` (vLLM's `sleep(level, mode)`; issue 28).
-
-        Level 1 frees the KV cache; level 2 also moves the weights to host memory, or
-        drops them with `discard_weights` (send new ones with `update_params` before
-        waking). First pauses with `mode` ("abort" fails the requests in flight, "wait"
-        drains them, "retract" requeues them to recompute after the wake); the prefix
-        cache is forgotten. Requests added while asleep wait for the wake, unless
-        `reject_new` (then `add_request` raises `EngineSleepingError`). Compiled
-        programs stay: waking recompiles nothing. See `jaxserve.engine.sleep`.
-
-        Raises:
-          ValueError: already asleep, level not 1 or 2, mode "keep" or unknown,
-            discard_weights below level 2, or a caller's pause holding KV.
-          TypeError: the runner cannot sleep.
-        """
-        self._drain()
-        self.sleeper.sleep(level, mode=mode, reject_new=reject_new,
-                           discard_weights=discard_weights, pending=self._pending,
-                           abort_message=f"the engine went to sleep (level {level}) at "
-                                         f"weight version {self.weight_version}")
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Restore what `sleep` freed: `tags` a subset of ("weights", "kv_cache") (vLLM's),
-        None for both; generation resumes once both are back.
-
-        Raises:
-          ValueError: not asleep, an unknown tag, or discarded weights never replaced.
-        """
-        self.sleeper.wake_up(tags)
-
-    @property
-    def is_sleeping(self) -> bool:
-        """True between `sleep` and the `wake_up` that restores everything."""
-        return self.sleeper.is_sleeping
-
-    @property
-    def is_paused(self) -> bool:
-        """True between `pause_generation` and `resume_generation` (vLLM's `is_paused`)."""
-        return self.pauser.paused
 
     # -------------------------------------------------------------- control
     def abort(self, request_id: str) -> bool:

@@ -73,7 +73,9 @@ class SamplingRow:
     allowed: np.ndarray | None = None  # i32[ceil(V/32)]: the grammar's bitmask row, or None
 
 
-def _uses_penalties(p: SamplingParams) -> bool:
+def uses_penalties(p: SamplingParams) -> bool:
+    """Whether `p` has a repetition, presence or frequency penalty (its row reads the
+    request's token history)."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
@@ -137,7 +139,7 @@ def _fill_token_lists(i: int, row: SamplingRow, max_model_len: int, history: np.
         MAX_LOGIT_BIAS logit_bias entries.
     """
     p = row.params
-    if _uses_penalties(p):
+    if uses_penalties(p):
         n_prompt, n_out = len(row.prompt_token_ids), len(row.output_token_ids)
         if n_prompt + n_out > max_model_len:
             raise ValueError(
@@ -198,7 +200,7 @@ def make_sampling_metadata(
     pres = np.zeros(S, np.float32)
     freq = np.zeros(S, np.float32)
     live = [r for r in rows if r is not None]
-    history = _filled((S, max_model_len), any(_uses_penalties(r.params) for r in live))
+    history = _filled((S, max_model_len), any(uses_penalties(r.params) for r in live))
     prompt_lens = np.zeros(S, np.int32)
     suppress, bias_ids, bias_values = _suppress_and_bias(live, S)
     bitmask = _filled((S, 0 if vocab_size is None else (vocab_size + 31) // 32),

@@ -231,7 +231,9 @@ class KVCacheManager:
         rid = request.request_id
         if rid in self._no_commit:  # its KV is partly from the weights before a swap
             return
-        n_full = request.num_computed_tokens // self.block_size
+        # Only blocks whose tokens are all known (a plan made ahead may have advanced
+        # num_computed_tokens over a placeholder: that block waits for its token).
+        n_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         start = self._req_committed.get(rid, 0)
         if n_full <= start:
             return

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 
 _new = object.__new__
 
+# The input id of a decode row planned before the token it reads was sampled (async
+# scheduling with output placeholders, issue 24; vLLM's placeholder token): the runner
+# takes that token from the previous step's sampled ids on the device.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:
@@ -30,14 +35,16 @@ class ScheduledRequest:
       request_id: the request.
       token_ids: the tokens whose KV is computed this step, in order; a decode
         step has one, a (chunk of a) prefill or a recompute after preemption
-        has more. token_ids[i] sits at position start_pos + i.
+        has more. token_ids[i] sits at position start_pos + i. A decode row planned
+        ahead of the step that samples its input has `PLACEHOLDER_TOKEN_ID` there.
       start_pos: num_computed_tokens before this step.
       block_ids: the request's whole block-table row after this step's
         allocation (covers positions 0 .. start_pos + len(token_ids) - 1).
       sample: True iff after this step num_computed_tokens == num_tokens, i.e.
         the logits of the last token are sampled. A non-final prefill chunk or
         recompute chunk has sample=False and produces no token.
-      output_pos: num_output_tokens before this step = the output index the
+      output_pos: num_output_tokens before this step, counting the tokens of rows planned
+        but not yet sampled (`Request.num_output_placeholders`) = the output index the
         sampled token will get (the sampler's random key derives from it).
     """
 

@@ -1,5 +1,6 @@
-"""The scheduler's calls for pausing between steps (issue 28) and for taking back a
-step that async scheduling dispatched ahead (issue 24): `Scheduler` inherits them."""
+"""The scheduler's calls for pausing between steps (issue 28), for taking back a step
+that async scheduling dispatched ahead or that failed (issue 24), and for the prefix
+cache of a plan made ahead: `Scheduler` inherits them."""
 
 from __future__ import annotations
 
@@ -9,21 +10,72 @@ from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.scheduler.request import RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
+# A request whose step fails as a whole is recomputed this many times before it fails.
+MAX_STEP_RETRIES = 1
 
 
 class PauseControl:
     """Mixin of `jaxserve.scheduler.scheduler.Scheduler` (its `requests`, `running`,
-    `waiting`, `_pending_out` and `_preempt`)."""
+    `waiting`, `kv_cache_manager`, `block_size`, `_pending_out`, `_ahead_of`,
+    `finish_requests` and `_preempt`)."""
+
+    def fail_step(self, out: SchedulerOutput, *, kv_lost: bool) -> list[str]:
+        """After a plan's execution raised: its rows are preempted by recompute to be
+        retried, except a row whose lifetime budget of MAX_STEP_RETRIES is spent, which
+        finishes FINISHED_ERROR; with `kv_lost` every running request is preempted too
+        (a preemption, not a retry). The prefix cache is forgotten. Returns the ids failed."""
+        rows = {sr.request_id for sr in out.scheduled if sr.request_id in self.requests}
+        self._drop_placeholders(out)
+        failed = [r for r in rows if self.requests[r].num_step_retries >= MAX_STEP_RETRIES]
+        self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        for req in reversed(list(self.running)):  # newest first: push_front keeps the oldest first
+            if kv_lost or req.request_id in rows:
+                req.num_step_retries += req.request_id in rows
+                self.running.remove(req)
+                self._preempt(req)
+        if self._ahead_of is out:
+            self._ahead_of = None
+        elif self._pending_out is out:
+            self._pending_out = None
+        self.kv_cache_manager.reset_prefix_cache()
+        return failed
+
+    def _drop_placeholders(self, out: SchedulerOutput) -> None:
+        """The sampling rows of `out` will bring no token (the plan failed or was taken back)."""
+        reqs = self.requests
+        for sr in out.scheduled:
+            req = reqs.get(sr.request_id) if sr.sample else None
+            if req is not None and req.num_output_placeholders:
+                req.num_output_placeholders -= 1
+
+    def _commit_inputs(self, out: SchedulerOutput) -> None:
+        """Register in the prefix cache the blocks the plan in flight fills, before its
+        tokens are back (planning ahead): their inputs are all known, and a step that
+        reads them runs after it, so the next plan gets the hits a serial loop's would
+        (`update_from_output` registers the same blocks again, a no-op)."""
+        kv = self.kv_cache_manager
+        if not kv.enable_prefix_caching:
+            return
+        B, reqs = self.block_size, self.requests
+        for sr in out.scheduled:
+            s = sr.start_pos
+            if (s + len(sr.token_ids)) // B > s // B:
+                req = reqs.get(sr.request_id)
+                if req is not None and req.status is _RUNNING:
+                    kv.commit(req)
+
 
     def unschedule(self, out: SchedulerOutput) -> None:
         """Take back the pending plan `out` as if it had not run (async scheduling drops a
         step in flight before a pause): each running row goes back to its start_pos, its
         blocks kept for the rerun; a request the plan admitted goes back to the front of
-        the waiting queue, its blocks freed. (A request the plan preempted stays
+        the waiting queue, its blocks freed; its sampling rows' placeholders are dropped.
+        With a plan made ahead of `out`'s predecessor, that one becomes the pending plan. (A request the plan preempted stays
         preempted: the dropped step may have written its freed blocks.)"""
         if out is not self._pending_out:
             return
-        self._pending_out = None
+        self._pending_out, self._ahead_of = self._ahead_of, None  # the plan before it, if any
+        self._drop_placeholders(out)
         admitted = {n.request_id for n in out.scheduled_new_reqs}
         for sr in reversed(out.scheduled):  # push_front in reverse: the queue's old order
             req = self.requests.get(sr.request_id)

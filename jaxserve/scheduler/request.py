@@ -102,7 +102,7 @@ class Request(TokenCounts):
                  "num_computed_tokens", "status", "stop_reason", "num_preemptions", "num_step_retries",
                  "seed", "grammar", "logprob_start",
                  "block_hashes", "_stop_ids", "_eos_ids", "lora_int_id", "lora_slot",
-                 "cache_key", "__weakref__")
+                 "cache_key", "num_output_placeholders", "__weakref__")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, eos_token_ids: Sequence[int] = (),
@@ -123,6 +123,10 @@ class Request(TokenCounts):
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.num_step_retries = 0  # whole-step failures this request was retried after
+        # Sampling rows planned whose token has not come back yet (vLLM's name): 1 between
+        # schedule() and update_from_output(); 2 while async scheduling plans step n+1 before
+        # step n's token is back, the token n+1 reads being a placeholder (issue 24).
+        self.num_output_placeholders = 0
         self.logprob_start = logprob_start
         seed = sampling_params.seed
         self.seed: int = _SEED_RNG.getrandbits(63) if seed is None else seed

@@ -32,14 +32,12 @@ from jaxserve.config import CacheConfig, SchedulerConfig, max_blocks_per_seq
 from jaxserve.scheduler.request import Request, RequestStatus, resolve_max_tokens
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.kv_cache_manager import KVCacheManager
-from jaxserve.scheduler.output import (NewRequestData, ScheduledRequest, SchedulerOutput,
-                                       align_sampled, make_grammar_output)
-from jaxserve.scheduler.pause_control import PauseControl
+from jaxserve.scheduler.output import (PLACEHOLDER_TOKEN_ID, NewRequestData, ScheduledRequest,
+                                       SchedulerOutput, align_sampled, make_grammar_output)
+from jaxserve.scheduler.pause_control import MAX_STEP_RETRIES, PauseControl  # noqa: F401
 from jaxserve.scheduler.request_queue import FCFSQueue, PriorityQueue
 
 _RUNNING = RequestStatus.RUNNING
-# A request whose step fails as a whole is recomputed this many times before it fails.
-MAX_STEP_RETRIES = 1
 
 
 class Scheduler(PauseControl):
@@ -59,7 +57,10 @@ class Scheduler(PauseControl):
 
     The engine alternates `schedule()` and `update_from_output()`; calling
     `schedule()` again while a non-empty plan still has live requests waiting
-    for their tokens raises RuntimeError (their tokens would be lost).
+    for their tokens raises RuntimeError (their tokens would be lost), except once with
+    `ahead=True` (async scheduling with output placeholders, vLLM V1's): step n+1 is
+    planned before step n's tokens are back, each decode row whose input is step n's
+    token reading `PLACEHOLDER_TOKEN_ID`; the two plans are then applied in order.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
@@ -87,6 +88,8 @@ class Scheduler(PauseControl):
         self._force_preempt: list[str] = []
         self._unsent: set[str] = set()  # running, its NewRequestData not yet in a plan
         self._pending_out: SchedulerOutput | None = None
+        self._ahead_of: SchedulerOutput | None = None  # the plan before a plan made ahead
+        self._finishing = 0
         self._step = 0
 
     # ------------------------------------------------------------ queries
@@ -137,18 +140,28 @@ class Scheduler(PauseControl):
         self.waiting.push(request)
 
     # ------------------------------------------------------------ scheduling
-    def schedule(self, token_cap: int | None = None) -> SchedulerOutput:
+    def schedule(self, token_cap: int | None = None, *, ahead: bool = False) -> SchedulerOutput:
         """Plan one step of at most `bucket_policy.token_budget(token_cap)` tokens;
         advances num_computed_tokens of every scheduled request.
 
+        `ahead`: the previous plan's tokens may still be out (async scheduling, issue 24):
+        a request whose last row samples gets a decode row reading a placeholder (its
+        `output_pos` counts the token on its way), unless that token is its last by
+        max_tokens; a row whose block would need a placeholder's token to hash is not
+        marked pending for the prefix cache. The plans must be applied in order.
+
         Raises:
-          RuntimeError: the previous plan's live requests still await `update_from_output`.
+          RuntimeError: the previous plan's live requests still await `update_from_output`
+            (with `ahead`: two plans already do).
         """
         prev = self._pending_out
         if prev is not None:
             if any(sr.request_id in self.requests for sr in prev.scheduled):
-                raise RuntimeError(f"schedule() called before update_from_output() for step "
-                                   f"{prev.step}; its sampled tokens would be lost")
+                if not ahead or self._ahead_of is not None:
+                    raise RuntimeError(f"schedule() called before update_from_output() for "
+                                       f"step {prev.step}; its sampled tokens would be lost")
+                self._ahead_of = prev
+                self._commit_inputs(prev)
             self._pending_out = None
         self._step += 1
         # request_id -> (request, tokens this step), in row order
@@ -183,17 +196,22 @@ class Scheduler(PauseControl):
         B = self.block_size
         thr = self.config.long_prefill_token_threshold
         chunks: list[Request] = []  # requests with > 1 token left, served after all decodes
+        self._finishing = 0  # running, their last token on its way: their seats are free
         for req in list(self.running):  # a copy: preemption pops from the tail
             if req.status is not _RUNNING:  # preempted earlier in this loop
                 continue
             c = req.num_computed_tokens
-            if len(req.all_token_ids) - c > 1:
+            ph = req.num_output_placeholders  # > 0 only when planning ahead
+            if ph and len(req.output_token_ids) + ph >= req.max_tokens:
+                self._finishing += 1  # the token on its way is its last: it finishes by
+                continue  # length, and its seat can go to a waiting request now
+            if len(req.all_token_ids) + ph - c > 1:
                 chunks.append(req)
             elif budget > 0:
                 if try_allocate(req, 1):
                     scheduled[req.request_id] = (req, 1)
                     budget -= 1
-                    if caching and (c + 1) % B == 0:
+                    if caching and (c + 1) % B == 0 and not ph:
                         self._note_pending(req, 1, pending)
                 else:
                     budget = self._preempt_for(req, 1, budget, scheduled, preempted, pending)
@@ -233,17 +251,19 @@ class Scheduler(PauseControl):
             if kv.try_allocate(req, n):
                 break
         scheduled[req.request_id] = (req, n)
-        if kv.enable_prefix_caching:
+        if kv.enable_prefix_caching and not req.num_output_placeholders:
             self._note_pending(req, n, pending)
         return budget - n
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, tuple[Request, int]],
                           pending: set[bytes]) -> None:
         kv = self.kv_cache_manager
-        max_seqs = self.config.max_num_seqs
+        max_seqs = self.config.max_num_seqs + self._finishing
         deferred: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < max_seqs:
             req = self.waiting.peek()
+            if req.num_output_placeholders:  # preempted with its last token still out:
+                break  # it resumes once that token is back (the next plan)
             hits, n_hit = kv.get_computed_blocks(req)
             if pending and self._fills_pending_block(req, len(hits), pending):
                 # A block of its prefix is being computed this step by another
@@ -331,11 +351,17 @@ class Scheduler(PauseControl):
             c = req.num_computed_tokens
             end = c + n
             toks = req.all_token_ids
-            ids = (toks[c],) if n == 1 else tuple(toks[c:end])
-            sample = end == len(toks)
-            rows.append(make(rid, ids, c, block_ids(rid), sample, len(req.output_token_ids)))
-            if sample and req.grammar is not None:
-                grammar.append((rid, req.grammar))
+            L, ph = len(toks), req.num_output_placeholders
+            if end <= L:
+                ids = (toks[c],) if n == 1 else tuple(toks[c:end])
+            else:  # planned ahead: the last input is a token still on its way
+                ids = tuple(toks[c:L]) + (PLACEHOLDER_TOKEN_ID,) * (end - L)
+            sample = end == L + ph
+            rows.append(make(rid, ids, c, block_ids(rid), sample, len(req.output_token_ids) + ph))
+            if sample:
+                req.num_output_placeholders = ph + 1
+                if req.grammar is not None:
+                    grammar.append((rid, req.grammar))
             req.num_computed_tokens = end
             total += n
         t_pad, s_pad = self.bucket_policy.record(total, len(rows)) if rows else (0, 0)
@@ -360,20 +386,25 @@ class Scheduler(PauseControl):
 
         Appends each token, registers newly full blocks in the prefix cache,
         applies the stop rules (`Request.check_stop`) and frees the blocks of
-        finished requests.
+        finished requests. With a plan made ahead (`schedule(ahead=True)`), `out` is the
+        older of the two pending plans.
 
         Raises:
-          ValueError: `out` is not the pending plan, or a sampled token is missing.
+          ValueError: `out` is not the (oldest) pending plan, or a sampled token is missing.
         """
-        if out is not self._pending_out:
-            if not out.scheduled:
-                return []
+        older = self._ahead_of
+        if out is not (older if older is not None else self._pending_out):
+            if not any(sr.request_id in self.requests for sr in out.scheduled):
+                return []  # nothing live to apply (a later schedule() dropped the plan)
             raise ValueError(f"update_from_output(step={out.step}) does not match the pending "
-                             "plan (already applied, or not the latest schedule())")
+                             "plan (already applied, or not the oldest schedule())")
         rows = out.scheduled
         reqs = self.requests
         toks = align_sampled(out, sampled_token_ids, reqs)  # validated before any change
-        self._pending_out = None
+        if older is not None:
+            self._ahead_of = None
+        else:
+            self._pending_out = None
         kv = self.kv_cache_manager
         commit = kv.commit if kv.enable_prefix_caching else None
         B = self.block_size
@@ -382,15 +413,20 @@ class Scheduler(PauseControl):
             req = reqs.get(sr.request_id)
             if req is None:  # finished or aborted since schedule()
                 continue
-            if commit is not None:
+            status = None
+            if sr.sample:
+                if req.num_output_placeholders:
+                    req.num_output_placeholders -= 1
+                status = req.append_and_check(int(toks[i]))
+            # After the append: a plan made ahead may have advanced num_computed_tokens over
+            # this token's position. Not for a request that plan preempted (no blocks).
+            if commit is not None and req.status is _RUNNING:
                 s = sr.start_pos
                 if (s + len(sr.token_ids)) // B > s // B:
                     commit(req)
-            if sr.sample:
-                status = req.append_and_check(int(toks[i]))
-                if status is not None:
-                    self._finish(req, status)
-                    finished.append(req)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
         return finished
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
@@ -435,24 +471,6 @@ class Scheduler(PauseControl):
             self._finish(request, RequestStatus.FINISHED_STOPPED)
         elif request.status == RequestStatus.FINISHED_LENGTH:
             request.status = RequestStatus.FINISHED_STOPPED
-
-    def fail_step(self, out: SchedulerOutput, *, kv_lost: bool) -> list[str]:
-        """After a plan's execution raised: its rows are preempted by recompute to be
-        retried, except a row whose lifetime budget of MAX_STEP_RETRIES is spent, which
-        finishes FINISHED_ERROR; with `kv_lost` every running request is preempted too
-        (a preemption, not a retry). The prefix cache is forgotten. Returns the ids failed."""
-        rows = {sr.request_id for sr in out.scheduled if sr.request_id in self.requests}
-        failed = [r for r in rows if self.requests[r].num_step_retries >= MAX_STEP_RETRIES]
-        self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-        for req in reversed(list(self.running)):  # newest first: push_front keeps the oldest first
-            if kv_lost or req.request_id in rows:
-                req.num_step_retries += req.request_id in rows
-                self.running.remove(req)
-                self._preempt(req)
-        if self._pending_out is out:
-            self._pending_out = None
-        self.kv_cache_manager.reset_prefix_cache()
-        return failed
 
     def reset_prefix_cache(self, *, stale_held: bool = False) -> int:
         """Forget the cached prefix blocks no request holds (`stale_held`: held ones too,

@@ -223,6 +223,7 @@ class FakeRunner:
         results: dict[str, RowResult] = {rid: RowError(m) for rid, m in missing.items()}
         grammar = out.grammar
         masks = grammar.rows() if grammar is not None else {}
+        sample = []  # (row, state): their tokens are made in `result()`, as on a device
         for sr, req in zip(out.scheduled, states):
             if req is None:
                 continue
@@ -233,18 +234,34 @@ class FakeRunner:
             elif grammar is not None and sr.request_id in grammar.errors:
                 results[sr.request_id] = RowError(grammar.errors[sr.request_id])
             elif sr.sample:
-                results[sr.request_id] = self._token(req, sr.output_pos, masks.get(sr.request_id))
-        self._batch_alternatives(results)
+                results[sr.request_id] = None  # its place in row order; made in `result()`
+                sample.append((sr, req))
         plan = scoring_plan(out, self.requests)
-        if plan is not None:
-            merge_scores(results, fake_scores(plan, vocab_size=self.vocab_size or 1000,
-                                              max_logprobs=self.max_logprobs))
         end = None
         if self.step_delay:  # FIFO: starts when dispatched or when the step before ends
             start = max(time.perf_counter(), self._device_free_at)
             self._device_free_at = end = start + self.step_delay
             self.device_busy_s += self.step_delay
-        return _FakePending(self, out, results, end)
+        return _FakePending(self, out, results, end, sample, masks, plan)
+
+    def placeholders_ok(self) -> bool:
+        """Whether the next plan may be made before this step's tokens are back (its rows
+        reading them as placeholders; `jaxserve.engine.core`): as `ModelRunner`, not while
+        a running request's sampling reads its outputs (penalties) or scores its prompt.
+        The fake makes a step's tokens when it is fetched, so a placeholder row sees the
+        token the step before made."""
+        return not self.requests.num_penalised and not self.requests.num_scoring
+
+    def _make_tokens(self, results: dict[str, RowResult], sample: list, masks: dict,
+                     plan: Any) -> None:
+        """The step's scripted tokens (and prompt scores), made once the steps before it
+        have recorded theirs."""
+        for sr, req in sample:
+            results[sr.request_id] = self._token(req, sr.output_pos, masks.get(sr.request_id))
+        self._batch_alternatives(results)
+        if plan is not None:
+            merge_scores(results, fake_scores(plan, vocab_size=self.vocab_size or 1000,
+                                              max_logprobs=self.max_logprobs))
 
     def _wait_device(self, end: float) -> None:
         """Block until the simulated device reaches `end` (perf_counter seconds), sleeping."""
@@ -376,17 +393,20 @@ class FakeRunner:
 class _FakePending:
     """`FakeRunner.dispatch`'s handle: `result()` waits for the simulated device step."""
 
-    __slots__ = ("runner", "out", "results", "end")
+    __slots__ = ("runner", "out", "results", "end", "sample", "masks", "plan")
 
     def __init__(self, runner: FakeRunner, out: SchedulerOutput, results: dict[str, RowResult],
-                 end: float | None):
+                 end: float | None, sample: list = (), masks: dict | None = None,
+                 plan: Any = None):
         self.runner, self.out, self.results, self.end = runner, out, results, end
+        self.sample, self.masks, self.plan = sample, masks or {}, plan
 
     def result(self) -> dict[str, RowResult]:
         r, out = self.runner, self.out
         if out.scheduled:
             if self.end is not None:
                 r._wait_device(self.end)
+            r._make_tokens(self.results, self.sample, self.masks, self.plan)
             r._stats.record_step(out.token_bucket, out.seq_bucket)
             r.requests.record(out.scheduled, self.results)
         return self.results
@@ -402,7 +422,10 @@ def check_invariants(s: Scheduler) -> None:
     waiting_ids = {r.request_id for r in s.waiting}
     assert len(running_ids) == len(s.running) and not running_ids & waiting_ids
     assert running_ids | waiting_ids == set(s.requests), "a live request is lost"
-    assert len(s.running) <= s.config.max_num_seqs
+    # Planned ahead, a request whose last token is on its way gives its seat up early.
+    finishing = sum(1 for r in s.running if r.num_output_placeholders
+                    and r.num_output_tokens + r.num_output_placeholders >= r.max_tokens)
+    assert len(s.running) - finishing <= s.config.max_num_seqs
     for r in s.running:
         assert r.status == RequestStatus.RUNNING
         blocks = owners.get(r.request_id, ())

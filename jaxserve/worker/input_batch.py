@@ -34,8 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.scheduler.request import TokenCounts
-from jaxserve.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
-from jaxserve.worker.runner import SampledToken
+from jaxserve.scheduler.output import (PLACEHOLDER_TOKEN_ID, NewRequestData, ScheduledRequest,
+                                       SchedulerOutput)
+from jaxserve.sample.metadata import (SamplingMetadata, SamplingRow, make_sampling_metadata,
+                                      uses_penalties)
+from jaxserve.worker.runner import RowError, SampledToken
 
 
 class CachedRequestState(TokenCounts):
@@ -89,6 +92,7 @@ class RequestStates(dict):
     def __init__(self, max_blocks_per_seq: int | None = None):
         super().__init__()
         self.num_scoring = 0  # states with a logprob_start (`scoring_plan` skips without)
+        self.num_penalised = 0  # states whose sampling reads their outputs (penalties)
         self.block_table = None if max_blocks_per_seq is None else np.zeros(
             (16, max_blocks_per_seq), np.int32)
         self._free_slots = list(range(15, 0, -1))
@@ -97,6 +101,8 @@ class RequestStates(dict):
         st = self.pop(rid, None)
         if st is not None and st.logprob_start is not None:
             self.num_scoring -= 1
+        if st is not None and _penalised(st.sampling_params):
+            self.num_penalised -= 1
         if st is not None and st.slot:
             self.block_table[st.slot, :st.num_blocks] = 0
             self._free_slots.append(st.slot)
@@ -129,8 +135,11 @@ class RequestStates(dict):
         each row's state (in plan order; None for a row that has none) and
         request_id -> message for the rows the runner cannot serve (no state, or fewer
         outputs than the plan's `output_pos`). A state with more outputs than
-        `output_pos` is cut back to it (tokens the engine did not keep). With a block
-        table, each served row's table row is brought up to its plan's block ids."""
+        `output_pos` is cut back to it (tokens the engine did not keep). A row planned
+        ahead (its input a `PLACEHOLDER_TOKEN_ID`) finds its state one output short (the
+        step before's token, not fetched yet): a placeholder is appended, which `record`
+        overwrites. With a block table, each served row's table row is brought up to its
+        plan's block ids."""
         for rid in out.finished_ids:
             self._drop(rid)
         for rid in out.preempted_ids:
@@ -139,6 +148,7 @@ class RequestStates(dict):
             self._drop(new.request_id)
             self[new.request_id] = CachedRequestState(new)
             self.num_scoring += new.logprob_start is not None
+            self.num_penalised += _penalised(new.sampling_params)
         rows: list[CachedRequestState | None] = []
         errors: dict[str, str] = {}
         tables = self.block_table is not None
@@ -147,6 +157,9 @@ class RequestStates(dict):
             if st is not None and len(st.output_token_ids) != sr.output_pos:
                 if len(st.output_token_ids) > sr.output_pos:
                     st.truncate(sr.output_pos)
+                elif (len(st.output_token_ids) == sr.output_pos - 1
+                      and sr.token_ids[-1] == PLACEHOLDER_TOKEN_ID):
+                    st.append(PLACEHOLDER_TOKEN_ID)
                 else:
                     errors[sr.request_id] = (f"the runner holds {len(st.output_token_ids)} "
                                              f"outputs of {sr.request_id!r}, the plan "
@@ -170,12 +183,17 @@ class RequestStates(dict):
         return np.fromiter((st.slot for st in states), np.int32, len(states))
 
     def record(self, rows: tuple[ScheduledRequest, ...], sampled: dict) -> None:
-        """Append each sampling row's token (`sampled`: request_id -> SampledToken)."""
+        """Store each sampling row's token (`sampled`: request_id -> SampledToken) at its
+        `output_pos`: appended, or over the placeholder a plan made ahead put there."""
         for sr in rows:
             t = sampled.get(sr.request_id) if sr.sample else None
             st = self.get(sr.request_id)
             if st is not None and isinstance(t, SampledToken):
-                st.append(t.token_id)
+                o, p = st.output_token_ids, sr.output_pos
+                if p < len(o):
+                    o[p] = t.token_id
+                else:
+                    o.append(t.token_id)
 
 
 @dataclass(frozen=True)
@@ -294,3 +312,46 @@ def token_lora_slots(out: SchedulerOutput, states: list, token_bucket: int) -> n
                           len(states))
     slots[:int(q.sum())] = np.repeat(per_row, q)
     return slots
+
+
+def _penalised(p) -> bool:
+    """Whether a row's sampling reads its past outputs (penalties), so it cannot be
+    planned before its last token is back."""
+    return p is not None and uses_penalties(p)
+
+
+def plan_sampling_metadata(out: SchedulerOutput, states: list[CachedRequestState | None], *,
+                           max_model_len: int, vocab_size: int
+                           ) -> tuple[SamplingMetadata, dict[str, RowError]]:
+    """Sampling arrays [S_pad] for the plan's rows (`states`: each row's runner state, None
+    for a row already failed); a row that cannot be written fails alone (as does a row
+    whose grammar allows nothing: `out.grammar.errors`), returned as request_id ->
+    `RowError`.
+
+    The whole batch is built in one call; only when that raises is each
+    row tried by itself, and the failing ones become padding rows.
+    """
+    M, V = max_model_len, vocab_size
+    masks = out.grammar.rows() if out.grammar is not None else {}
+    errors = {rid: RowError(msg) for rid, msg in
+              (out.grammar.errors.items() if out.grammar is not None else ())}
+    rows: list[SamplingRow | None] = []
+    for sr, r in zip(out.scheduled, states):
+        rows.append(None if r is None or sr.request_id in errors else SamplingRow(
+            params=r.sampling_params, seed=r.seed, output_pos=sr.output_pos,
+            prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
+            eos_token_ids=r.eos_token_ids,
+            allowed=masks.get(sr.request_id) if sr.sample else None))
+    try:
+        return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M,
+                                      vocab_size=V), errors
+    except Exception:  # find the rows at fault; the rest of the batch goes on
+        pass
+    for i, sr in enumerate(out.scheduled):
+        try:
+            make_sampling_metadata([rows[i]], num_rows=1, max_model_len=M, vocab_size=V)
+        except Exception as e:
+            errors[sr.request_id] = RowError(f"{type(e).__name__}: {e}")
+            rows[i] = None
+    return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M,
+                                  vocab_size=V), errors

@@ -39,16 +39,17 @@ from jaxserve.attention import CommonAttentionMetadata, get_attention_backend
 from jaxserve.config import EngineConfig, max_blocks_per_seq
 from jaxserve.distributed.tensor_parallel import OwnedHostParams, TensorParallel
 from jaxserve.model.llama import prepare_params
-from jaxserve.sample.metadata import SamplingMetadata, SamplingRow, make_sampling_metadata
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.worker.compile import CacheHits, ProgramKey, ProgramTable, aot_compile
 from jaxserve.worker.executable_cache import ExecutableCache, program_key_parts
-from jaxserve.worker.input_batch import CachedRequestState, RequestStates, build_batch
+from jaxserve.worker.input_batch import (CachedRequestState, RequestStates, build_batch,
+                                        plan_sampling_metadata)
 from jaxserve.worker.kv_cache import describe_capacity, resolve_num_kv_blocks
 from jaxserve.worker.layer_stack import LayerStackProgram, embed_fn, final_fn, layers_fn
 from jaxserve.worker.lora import LoRAPool
 from jaxserve.worker.programs import StepBatch, _head_fn, _score_fn, _spec, _stack_fn
+from jaxserve.worker.placeholders import PlaceholderFeed
 from jaxserve.worker.pending import ModelPending
 from jaxserve.worker.runner import RowError, RowResult, RunnerStats
 from jaxserve.worker.scoring import scoring_plan
@@ -152,6 +153,10 @@ class ModelRunner:
         self.score_enabled = config.enable_prompt_logprobs and jax.process_count() == 1
         self._score_jit = jax.jit(functools.partial(_score_fn, self.model_cfg,
                                                     config.max_logprobs), **score_sh)
+        # Async scheduling with output placeholders (issue 24): what a plan made ahead reads
+        self.feed = PlaceholderFeed(
+            self.tp.replicated if self.tp.mesh is not None
+            else jax.sharding.SingleDeviceSharding(self.tp.devices[0]), self.max_seq_bucket)
         # ("stack", T_pad), ("head", S_pad) and ("score", T_pad) -> jax.stages.Compiled
         self._stats = RunnerStats()
         self.programs = ProgramTable(
@@ -221,6 +226,7 @@ class ModelRunner:
     def reset(self) -> bool:
         """After a failed step: a fresh zeroed cache if the failure consumed the donated
         one (any of its buffers is deleted); True then, since every cached KV row is gone."""
+        self.feed.forget()  # a failed step's ids are nobody's input
         if self.sleeper.is_sleeping or not any(a.is_deleted()
                                                for a in jax.tree.leaves(self.kv_cache)):
             return False
@@ -301,43 +307,20 @@ class ModelRunner:
                                          query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
                                          block_table=b.block_table, num_seqs=b.num_seqs)
         attn_md = self.backend.prepare(common)
-        sampling, errors = self._sampling_metadata(out, rows)
+        sampling, errors = plan_sampling_metadata(
+            out, rows, max_model_len=self.config.scheduler.max_model_len,
+            vocab_size=self.cfg.vocab_size)
         return StepBatch(input_ids=b.input_ids, positions=b.positions, attn_md=attn_md,
                          logits_indices=b.logits_indices, sampling=sampling,
                          lora_slots=self.lora and self.lora.token_slots(out, rows)), errors
 
-    def _sampling_metadata(self, out: SchedulerOutput, states: list[CachedRequestState | None]
-                           ) -> tuple[SamplingMetadata, dict[str, RowError]]:
-        """Sampling arrays for the plan's rows; a row that cannot be written fails alone
-        (as does a row whose grammar allows nothing: `out.grammar.errors`).
-
-        The whole batch is built in one call; only when that raises is each
-        row tried by itself, and the failing ones become padding rows.
-        """
-        M, V = self.config.scheduler.max_model_len, self.cfg.vocab_size
-        masks = out.grammar.rows() if out.grammar is not None else {}
-        errors = {rid: RowError(msg) for rid, msg in
-                  (out.grammar.errors.items() if out.grammar is not None else ())}
-        rows: list[SamplingRow | None] = []
-        for sr, r in zip(out.scheduled, states):
-            rows.append(None if r is None or sr.request_id in errors else SamplingRow(
-                params=r.sampling_params, seed=r.seed, output_pos=sr.output_pos,
-                prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
-                eos_token_ids=r.eos_token_ids,
-                allowed=masks.get(sr.request_id) if sr.sample else None))
-        try:
-            return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M,
-                                          vocab_size=V), errors
-        except Exception:  # find the rows at fault; the rest of the batch goes on
-            pass
-        for i, sr in enumerate(out.scheduled):
-            try:
-                make_sampling_metadata([rows[i]], num_rows=1, max_model_len=M, vocab_size=V)
-            except Exception as e:
-                errors[sr.request_id] = RowError(f"{type(e).__name__}: {e}")
-                rows[i] = None
-        return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M,
-                                      vocab_size=V), errors
+    def placeholders_ok(self) -> bool:
+        """Whether the engine may plan the next step before this one's tokens are back
+        (`jaxserve.worker.runner.Runner.placeholders_ok`): one process (a multi-host
+        follower has no step to read them from), and no running request whose sampling
+        reads its outputs on the host (penalties) or that scores its prompt."""
+        return (self.step_listener is None and not self.requests.num_penalised
+                and not self.requests.num_scoring)
 
     def execute(self, out: SchedulerOutput) -> dict[str, RowResult]:
         """Run one step (see `jaxserve.worker.runner.Runner.execute`).
@@ -360,7 +343,9 @@ class ModelRunner:
         host, errors = self._host_batch(out, states)
         results: dict[str, RowResult] = {rid: RowError(m) for rid, m in missing.items()}
         results.update(errors)
+        ids_from = self.feed.sources(out, host.input_ids, results)
         if len(results) == len(out.scheduled):
+            self.feed.forget()  # nothing launched: nothing to read
             return ModelPending(self, out, results, None, None)
         plan = scoring_plan(out, self.requests)
         if plan is not None and not self.score_enabled:
@@ -373,7 +358,9 @@ class ModelRunner:
             self.programs.get(("head", out.seq_bucket))
             self.step_listener(out.token_bucket, out.seq_bucket, host)
         launched = self.launch_host_batch(host, out.token_bucket, out.seq_bucket,
-                                          targets=None if plan is None else plan.targets)
+                                          targets=None if plan is None else plan.targets,
+                                          ids_from=ids_from)
+        self.feed.last_out = out
         return ModelPending(self, out, results, plan, launched)
 
     def run_host_batch(self, host: StepBatch, t_pad: int, s_pad: int, *,
@@ -387,15 +374,23 @@ class ModelRunner:
         return self.tp.fetch(self.launch_host_batch(host, t_pad, s_pad, targets=targets))
 
     def launch_host_batch(self, host: StepBatch, t_pad: int, s_pad: int, *,
-                          targets: np.ndarray | None = None) -> tuple[Any, ...]:
-        """`run_host_batch` without the fetch: the step's device arrays, still computing."""
+                          targets: np.ndarray | None = None,
+                          ids_from: np.ndarray | None = None) -> tuple[Any, ...]:
+        """`run_host_batch` without the fetch: the step's device arrays, still computing.
+        `ids_from` i32[t_pad] (`PlaceholderFeed.sources`): placeholder inputs take the
+        token ids the last launched step sampled, on the device."""
         stack = self.programs.get(("stack", t_pad))
         head = self.programs.get(("head", s_pad))
         score = self.programs.get(("score", t_pad)) if targets is not None else None
-        dev = self.tp.put_batch(host)
+        if ids_from is None:
+            dev = self.tp.put_batch(host)
+        else:
+            dev, src = self.tp.put_batch((host, ids_from))
+            dev = dataclasses.replace(dev, input_ids=self.feed.merge(t_pad, dev.input_ids, src))
         rows, self.kv_cache, hidden = stack(self.params, self.kv_cache,
                                             dataclasses.replace(dev, sampling=None))
-        res = head(self.params, rows, dev.sampling)  # rows [S_max, E] never leave the device
+        # rows [S_max, E] never leave the device; nor do the padded ids a plan made ahead reads
+        res, self.feed.last_ids = head(self.params, rows, dev.sampling)
         scored = () if score is None else score(self.params, hidden, self.tp.put_batch(targets))
         return (res.token_ids, res.logprobs, res.top_ids, res.top_logprobs, scored)
 
@@ -488,7 +483,10 @@ class ModelRunner:
 
     def warmup(self, *, progress: bool = True, mode: str | None = None) -> None:
         """Build every program the bucket policy can request (`jaxserve.worker.warmup.Warmup.run`;
-        mode None: `config.warmup`)."""
+        mode None: `config.warmup`), and the placeholder merge of each token bucket."""
+        if self.placeholders_ok():  # tiny: ~ms each, outside the program table's accounting
+            for t_pad in self.bucket_policy.token_buckets:
+                self.feed.program(t_pad)
         self._warmup.run(progress=progress, mode=mode or getattr(self.config, "warmup", "full"))
 
     def wait_warmup(self, timeout: float | None = None) -> bool:

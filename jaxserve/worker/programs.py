@@ -86,7 +86,19 @@ def _score_rows(cfg: ModelConfig, k: int, params, hidden, targets):
 def _head_fn(cfg: ModelConfig, max_logprobs: int, logprobs_mode: str, params, rows,
              sampling: SamplingMetadata):
     """Head program (one per S_pad): LM head over the first S_pad of the gathered rows
-    [S_max, E] (S_pad is the sampling metadata's leading size), then the sampler."""
+    [S_max, E] (S_pad is the sampling metadata's leading size), then the sampler.
+    Returns (`SamplerOutput`, its token ids padded with zeros to i32[S_max]): the next
+    step's placeholder rows read theirs from the latter on the device, whatever this
+    step's S_pad (`merge_placeholders`)."""
     s_pad = jax.tree.leaves(sampling)[0].shape[0]
-    return sample(compute_logits(cfg, params, rows[:s_pad]), sampling, max_logprobs=max_logprobs,
-                  logprobs_mode=logprobs_mode)
+    res = sample(compute_logits(cfg, params, rows[:s_pad]), sampling, max_logprobs=max_logprobs,
+                 logprobs_mode=logprobs_mode)
+    return res, jnp.pad(res.token_ids, (0, rows.shape[0] - s_pad))
+
+
+def merge_placeholders(input_ids, src, prev_ids):
+    """A step's input ids i32[T] with each placeholder replaced on the device by the token
+    the step before sampled: position t takes prev_ids[src[t]] (prev_ids i32[S_max], the
+    head's padded ids) where src[t] >= 0, else keeps input_ids[t] (async scheduling with
+    output placeholders, issue 24; vLLM V1 fills its input batch's ids the same way)."""
+    return jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], input_ids)

@@ -170,14 +170,21 @@ class Runner(Protocol):
     def dispatch(self, out: "SchedulerOutput") -> PendingStep:
         """`execute` in two halves (vLLM's async scheduling; issue 24): lay out the plan
         and launch its programs, returning before the device finishes; the handle's
-        `result()` then waits and returns what `execute` would. The engine plans and
-        dispatches the next step only after `result()` (the tokens are needed on the
-        host first), and overlaps the device step with its output processing.
+        `result()` then waits and returns what `execute` would. Results are fetched in
+        dispatch order. With `placeholders_ok()` the engine may dispatch the next plan
+        before fetching this one: its rows whose input is `PLACEHOLDER_TOKEN_ID` read the
+        token this step samples for the same request (on the device, never the host).
+        Otherwise the next step is planned after `result()`, overlapping the device step
+        with the output processing only.
         Optional: the engine wraps `execute` in a `DoneStep` for a runner without it.
 
         Raises: a failure of the host half (a bad plan); device failures surface in
           `result()`.
         """
+
+    def placeholders_ok(self) -> bool:
+        """Optional: whether the next plan may be dispatched before this step's tokens are
+        fetched (see `dispatch`); False or absent: never."""
 
     def reset(self) -> bool:
         """Recover after `execute` raised; True when the KV cache had to be rebuilt

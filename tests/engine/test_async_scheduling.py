@@ -149,16 +149,31 @@ def test_random_interleavings_give_the_same_outputs_on_and_off(ops, pool, seqs, 
 
 
 def test_whole_step_failures_and_stop_strings_same_on_and_off():
-    """Steps that fail as a whole (retried once by recompute, then "error"), rows that
-    fail alone, stop strings that end requests while their next row is in flight."""
+    """Rows that fail alone and stop strings that end requests while their next row is in
+    flight: the same outputs on and off. Steps that fail as a whole (retried once by
+    recompute, then "error"): which rows share a failing step depends on the plans (planned
+    ahead, a request that ends by EOS or a stop string frees its seat a step later), so
+    each run is checked against the run without them: a sample a step failure ended holds
+    a prefix of its tokens, every other sample ends exactly as there."""
     sp = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, stop=("hi", "D")[s % 2:][:1],
                          n=1 + s % 2) for s in range(6)]
     ops = [("add", PROMPTS[i % len(PROMPTS)], sp[i]) for i in range(6)]
-    f_on, _ = run_ops(fake_engine(True, fail_rows=True, fail_steps=True, seqs=4), ops)
-    f_off, _ = run_ops(fake_engine(False, fail_rows=True, fail_steps=True, seqs=4), ops)
-    assert f_on == f_off
-    reasons = {c[3] for outs in f_on.values() for c in outs}
-    assert "error" in reasons and "length" in reasons, reasons  # both kinds of failure ran
+    clean, _ = run_ops(fake_engine(True, fail_rows=True, seqs=4), ops)
+    assert clean == run_ops(fake_engine(False, fail_rows=True, seqs=4), ops)[0]
+    step_errors = 0
+    for on in (True, False):
+        got, _ = run_ops(fake_engine(on, fail_rows=True, fail_steps=True, seqs=4), ops)
+        assert got.keys() == clean.keys()
+        for rid, outs in got.items():
+            for c, ref in zip(outs, clean[rid], strict=True):
+                if c[3] == "error" and c[5].startswith("RuntimeError: scripted step"):
+                    step_errors += 1
+                    assert _prefix_of(c[1], ref[1]), (rid, c, ref)
+                else:
+                    assert c == ref, (rid, c, ref)
+    assert step_errors >= 2  # a step failure ended a sample in each run
+    reasons = {c[3] for outs in clean.values() for c in outs}
+    assert "error" in reasons and "length" in reasons, reasons  # a row failure too
 
 
 def test_next_step_is_dispatched_before_this_steps_outputs_are_processed():
@@ -191,6 +206,75 @@ def test_next_step_is_dispatched_before_this_steps_outputs_are_processed():
     # async: the second dispatch comes before the first processing
     assert kinds[True][:3] == ["dispatch", "dispatch", "process"], kinds[True]
     assert kinds[True].count("process") == kinds[False].count("process")
+
+
+class _Pending:
+    """A dispatched step's handle that logs its fetch, or fails it (a device error)."""
+
+    def __init__(self, handle, log, step, fail=False):
+        self.handle, self.log, self.step, self.fail = handle, log, step, fail
+
+    def result(self):
+        self.log.append(("result", self.step))
+        if self.fail:
+            raise RuntimeError("scripted device failure")
+        return self.handle.result()
+
+
+def test_decode_rows_are_planned_before_the_step_before_is_fetched():
+    """With placeholders the runner gets plan n+1 before step n is fetched, its decode row
+    reading `PLACEHOLDER_TOKEN_ID` (laid out as such; the device fills it in); a request
+    with penalties is planned only after the fetch. Both match the serial loop."""
+    from jaxserve.scheduler.output import PLACEHOLDER_TOKEN_ID
+
+    logs, res = {}, {}
+    for pen, on in ((0.0, True), (1.5, True), (0.0, False)):
+        eng = fake_engine(on)
+        eng.runner.build_batches = True
+        log = logs[pen, on] = []
+        dispatch = eng.runner.dispatch
+
+        def logged(out, dispatch=dispatch, log=log, eng=eng):
+            h = dispatch(out)
+            ph = bool(out.scheduled) and PLACEHOLDER_TOKEN_ID in eng.runner.last_batch.input_ids
+            assert ph == any(PLACEHOLDER_TOKEN_ID in sr.token_ids for sr in out.scheduled)
+            log.append(("dispatch", out.step, ph))
+            return _Pending(h, log, out.step)
+
+        eng.runner.dispatch = logged
+        sp = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0,
+                            presence_penalty=pen)
+        res[pen, on] = run_ops(eng, [("add", "abcd", sp)])[0]
+    assert logs[0.0, True][:6] == [("dispatch", 1, False), ("dispatch", 2, True), ("result", 1),
+                                   ("dispatch", 3, True), ("result", 2), ("dispatch", 4, True)]
+    assert logs[1.5, True][:4] == [("dispatch", 1, False), ("result", 1), ("dispatch", 2, False),
+                                   ("result", 2)]
+    assert res[0.0, True] == res[1.5, True] == res[0.0, False]  # the fake ignores penalties
+    assert res[0.0, True]["r0"][0][1] == [8, 9, 10, 11]  # counts up from "d" (hand-checked)
+
+
+def test_a_step_failing_on_the_device_drops_the_step_planned_after_it():
+    """Step n fails when fetched while n+1 (reading its tokens) is in flight: n+1 is
+    waited for and taken back, n's rows are retried by recompute; outputs as serial."""
+    res = {}
+    for on in (True, False):
+        eng = fake_engine(on, prefix=False)
+        log, dispatch = [], eng.runner.dispatch
+
+        def failing(out, dispatch=dispatch, log=log):
+            fail = not log and any(sr.request_id == "r1" and sr.output_pos == 3
+                                   for sr in out.scheduled)
+            if fail:
+                log.append(out.step)
+            return _Pending(dispatch(out), [], out.step, fail)
+
+        eng.runner.dispatch = failing
+        ops = [("add", p, SamplingParams(max_tokens=7, temperature=0.0)) for p in PROMPTS[:3]]
+        res[on], _ = run_ops(eng, ops)
+        assert log and eng.num_failed_steps == 1
+        assert eng.scheduler.get_request("r1") is None  # finished, nothing held
+    assert res[True] == res[False]
+    assert all(c[3] == "length" for outs in res[True].values() for c in outs)
 
 
 def test_structured_output_steps_same_on_and_off():
@@ -244,17 +328,30 @@ def _tiny_workload():
 
 
 def test_real_tiny_model_same_tokens_logprobs_and_text_on_and_off():
+    """On, decode rows read step n's tokens on the device (placeholders), except while the
+    penalised request runs (its penalties read its outputs on the host)."""
     eng = tiny_engine()
-    res = {}
+    res, merged = {}, {}
+    feed = eng.runner.feed
+    sources = feed.sources
+    pen = SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.3,
+                         presence_penalty=0.5)
     try:
         for on in (True, False):
             eng.async_scheduling = on
-            res[on], _ = run_ops(eng, [("add", p, sp) for _, p, sp in _tiny_workload()])
+            log = merged[on] = []
+            feed.sources = lambda *a, log=log: log.append(sources(*a)) or log[-1]
+            res[on], _ = run_ops(eng, [("add", p, sp) for _, p, sp in _tiny_workload()]
+                                 + [("add", "penalised", pen)])
     finally:
         eng.async_scheduling = eng.config.async_scheduling
+        del feed.sources
     assert_same(res[True], res[False])
     assert any(c[3] == "stop" for outs in res[True].values() for c in outs)  # a stop string hit
     assert eng.get_stats()["num_compiles_after_warmup"] == 0
+    assert sum(src is not None for src in merged[True]) > 10  # steps planned ahead ran
+    assert all(src is None for src in merged[False])
+    assert any(src is None for src in merged[True][1:6])  # not while "penalised" ran
 
 
 def test_weight_update_between_steps_same_on_and_off():

@@ -1,0 +1,124 @@
+"""Planning a step before the step in flight's tokens are back (`schedule(ahead=True)`,
+async scheduling with output placeholders, issue 24): hand-computed rows and
+placeholder counts, the order the two plans are applied in, taking a plan back, a
+preemption while a token is on its way, and whole workloads driven that way against
+the serial loop (same tokens, same finish, nothing leaked)."""
+
+import pytest
+
+from jaxserve.scheduler.output import PLACEHOLDER_TOKEN_ID as PH
+from jaxserve.scheduler.request import RequestStatus
+from jaxserve.worker.fake_runner import FakeRunner, check_invariants, default_token
+
+from ._util import assert_pool_clean, make_req, make_scheduler
+
+
+def rows(out):
+    return [(sr.request_id, sr.token_ids, sr.start_pos, sr.sample, sr.output_pos)
+            for sr in out.scheduled]
+
+
+def tokens(out, fn=lambda rid, pos: 100 + pos):
+    return {sr.request_id: fn(sr.request_id, sr.output_pos) for sr in out.scheduled if sr.sample}
+
+
+def test_rows_placeholders_and_the_order_plans_apply_in():
+    s = make_scheduler(budget=32, max_seqs=4, block_size=4, num_kv_blocks=64)
+    a, b = make_req("a", [10, 11, 12, 13, 14], max_tokens=3), make_req("b", [20, 21], max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    o1 = s.schedule()
+    assert rows(o1) == [("a", (10, 11, 12, 13, 14), 0, True, 0), ("b", (20, 21), 0, True, 0)]
+    assert a.num_output_placeholders == b.num_output_placeholders == 1
+    o2 = s.schedule(ahead=True)  # o1's tokens are not back: each row reads a placeholder
+    assert rows(o2) == [("a", (PH,), 5, True, 1), ("b", (PH,), 2, True, 1)]
+    assert a.num_output_placeholders == 2 and a.num_computed_tokens == 6
+    with pytest.raises(RuntimeError, match="before update_from_output"):
+        s.schedule(ahead=True)  # two plans pending is the most
+    with pytest.raises(ValueError, match="does not match"):
+        s.update_from_output(o2, tokens(o2))  # o1 first
+    s.update_from_output(o1, tokens(o1))
+    assert a.output_token_ids == [100] and a.num_output_placeholders == 1
+    o3 = s.schedule(ahead=True)
+    assert rows(o3) == [("a", (PH,), 6, True, 2), ("b", (PH,), 3, True, 2)]
+    s.update_from_output(o2, tokens(o2))
+    o4 = s.schedule(ahead=True)  # a's token on its way (output 2) is its last: no row
+    assert rows(o4) == [("b", (PH,), 4, True, 3)]
+    assert s.update_from_output(o3, tokens(o3)) == [a]
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [100, 101, 102]
+    s.update_from_output(o4, tokens(o4))
+    assert b.output_token_ids == [100, 101, 102, 103] and b.num_output_placeholders == 0
+    assert b.all_token_ids == [20, 21, 100, 101, 102, 103]
+    check_invariants(s)
+
+
+def test_unschedule_gives_back_the_placeholder_and_the_position():
+    s = make_scheduler(budget=32, block_size=4)
+    a = make_req("a", [10, 11, 12], max_tokens=5)
+    s.add_request(a)
+    o1 = s.schedule()
+    o2 = s.schedule(ahead=True)
+    s.update_from_output(o1, {"a": 7})
+    s.unschedule(o2)  # e.g. a pause: the step in flight is dropped
+    assert a.num_output_placeholders == 0 and a.num_computed_tokens == 3
+    assert rows(s.schedule()) == [("a", (7,), 3, True, 1)]  # the token, known now
+
+
+def test_a_request_preempted_while_its_token_is_out_gets_it_and_recomputes():
+    # 3 usable blocks of 4: a and b hold one each; the plan made ahead needs two more.
+    s = make_scheduler(budget=32, max_seqs=4, block_size=4, num_kv_blocks=4)
+    a, b = make_req("a", [10, 11, 12, 13], max_tokens=4), make_req("b", [20, 21, 22, 23], max_tokens=4)
+    s.add_request(a)
+    s.add_request(b)
+    o1 = s.schedule()
+    o2 = s.schedule(ahead=True)
+    assert rows(o2) == [("a", (PH,), 4, True, 1)] and o2.preempted_ids == ("b",)
+    assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 1
+    s.update_from_output(o1, {"a": 50, "b": 60})
+    assert b.output_token_ids == [60] and b.num_output_placeholders == 0
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    check_invariants(s)
+
+
+def _drive_ahead(s, fn, max_steps=2000):
+    """The engine's loop with every plan made ahead: schedule n+1, then apply n."""
+    inflight = None
+    for _ in range(max_steps):
+        if inflight is None and not s.has_unfinished_requests():
+            return
+        nxt = s.schedule(ahead=inflight is not None)
+        check_invariants(s)
+        if inflight is not None:
+            s.update_from_output(inflight, tokens(inflight, fn))
+            check_invariants(s)
+        inflight = nxt if nxt.scheduled else None
+    raise AssertionError("not finished")
+
+
+@pytest.mark.parametrize("pool", [7, 12, 64])
+@pytest.mark.parametrize("prefix", [True, False])
+def test_workloads_planned_ahead_finish_as_the_serial_loop_does(pool, prefix):
+    """Tight pools preempt, shared prompts hit the prefix cache, long prompts chunk, EOS
+    and max_tokens end requests; every request ends with the serial loop's tokens."""
+    def reqs():
+        shared = [30 + i for i in range(9)]
+        return [make_req("a", shared + [1], max_tokens=9), make_req("b", shared + [2], max_tokens=7),
+                make_req("c", 13, max_tokens=12, ignore_eos=False, eos=(default_token("c", 5),)),
+                make_req("d", 3, max_tokens=10), make_req("e", shared, max_tokens=5)]
+
+    fn = default_token
+    done = {}
+    for ahead in (True, False):
+        s = make_scheduler(budget=8, max_seqs=3, block_size=4, num_kv_blocks=pool, prefix=prefix)
+        made = reqs()
+        for r in made:
+            s.add_request(r)
+        if ahead:
+            _drive_ahead(s, lambda rid, pos: fn(rid, pos))
+        else:
+            FakeRunner(s, check_invariants=True).run()
+        assert_pool_clean(s)
+        done[ahead] = {r.request_id: (r.output_token_ids, r.status) for r in made}
+    assert done[True] == done[False]
+    assert done[True]["c"] == ([default_token("c", i) for i in range(6)],
+                               RequestStatus.FINISHED_STOPPED)
