@@ -5,9 +5,9 @@ slots. Each round runs a workload (--workload, default `../shared/bench/seed8.js
 its prompts as chat messages, each with its own max_tokens, greedy, `ignore_eos`, all
 arriving at once) twice, in alternating order: once with placeholders (step n+1 planned
 and dispatched before step n's tokens are back, its decode rows reading them on the
-device) and once without (`runner.placeholders_ok` forced False: step n+1 planned after
-step n's fetch, overlapped with its output processing only; the behaviour before
-placeholders). Prints each round's tokens/s with the load average, the on/off ratios,
+device) and once without (step n+1 planned after step n's fetch, overlapped with its
+output processing only: the behaviour before placeholders, and the default on CPU;
+`ModelRunner.placeholders`, i.e. `EngineConfig.async_placeholders`, set per run). Prints each round's tokens/s with the load average, the on/off ratios,
 and whether the two runs' token ids are identical (they must be).
 
   PYTHONPATH=. .venv/bin/python scripts/ab_placeholders.py --rounds=6
@@ -32,11 +32,7 @@ def load_workload(path: str) -> list[tuple[list[dict], int]]:
 
 
 def run(llm: LLM, work, placeholders: bool) -> tuple[float, int, list]:
-    runner = llm.engine.runner
-    if placeholders:
-        runner.__dict__.pop("placeholders_ok", None)  # the class's method again
-    else:
-        runner.placeholders_ok = lambda: False
+    llm.engine.runner.placeholders = placeholders  # `EngineConfig.async_placeholders`
     params = [SamplingParams(max_tokens=mt, temperature=0.0, ignore_eos=True) for _, mt in work]
     t0 = time.perf_counter()
     outs = llm.generate([m for m, _ in work], params, use_tqdm=False)

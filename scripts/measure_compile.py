@@ -68,7 +68,7 @@ def fused_step(runner: ModelRunner, out: SchedulerOutput):
         rows, kv, _ = _stack_fn(runner.cfg, runner.backend, params, kv,
                              dataclasses.replace(batch, sampling=None))
         return _head_fn(runner.cfg, runner.config.max_logprobs, runner.config.logprobs_mode,
-                        params, rows, batch.sampling), kv
+                        params, rows, batch.sampling)[0], kv  # [1]: the padded ids
 
     host, _ = runner._host_batch(out, runner.requests.update(out)[0])
     # _stack_fn takes the stacked [L, N, B, K, D] cache; layer-group runners keep one

@@ -27,9 +27,10 @@ device copy, the programs' launch) and `tp.fetch` (waiting for them, the copy ba
 timed as they run. `--stream_interval=k` gives each request an output every k tokens
 (vLLM's; the default 1 is every token). `--no_async` turns the engine's `async_scheduling` off (the serial
 loop: plan, run, fetch, process outputs, then plan the next). `--placeholders=off` keeps
-async scheduling but plans step n+1 only once step n's tokens are back (the runner's
-`placeholders_ok` forced False: the loop before output placeholders); `ab` runs each case
-on, off, on, off in one process (the machine's drift hits both alike).
+async scheduling but plans step n+1 only once step n's tokens are back (the loop before
+output placeholders; with `--real`, `on` forces them on although the engine's default on
+CPU is off, `EngineConfig.async_placeholders`); `ab` runs each case on, off, on, off in
+one process (the machine's drift hits both alike).
 """
 
 from __future__ import annotations
@@ -164,7 +165,9 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
     from jaxserve.sampling_params import SamplingParams
 
     engine = _engine(rows, device_ms, real, tokenizer, async_scheduling, stream_interval)
-    if not placeholders:
+    if hasattr(engine.runner, "placeholders"):  # the real runner: on CPU off by default
+        engine.runner.placeholders = placeholders
+    elif not placeholders:
         engine.runner.placeholders_ok = lambda: False
     # The heap a server process has after warm-up (`freeze_gc_heap` runs once a process,
     # so a second case here would otherwise run with its engine unfrozen).

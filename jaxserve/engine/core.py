@@ -20,9 +20,10 @@ the next step (`Runner.dispatch`) before it processes the outputs of the one it 
 Where the runner can take them (`Runner.placeholders_ok`), the next step is planned and
 dispatched before this one's tokens are even back, with output placeholders (vLLM V1's
 `num_output_placeholders`): each decode row reads its input token from the step before
-on the device, and the host's planning and layout run while the device computes. A step
-with structured-output rows, penalised rows or scoring rows plans the next one only after
-its tokens are back (README "Policies worth knowing").
+on the device, and the host's planning and layout run while the device computes. After a
+step with structured-output rows, while the runner holds a penalised or scoring request,
+multi-host, and by default on CPU (`EngineConfig.async_placeholders`), the next step is
+planned only once this one's tokens are back (README "Policies worth knowing").
 """
 
 from __future__ import annotations
@@ -247,7 +248,8 @@ class LLMEngine(EngineControl):
     def _step(self, overlap: bool | None = None) -> list[RequestOutput]:
         """One iteration: plan and dispatch a step unless one is in flight, fetch its
         tokens, apply them; with overlap (`async_scheduling`), plan and dispatch the next
-        step before this one's output processing, so the device runs it meanwhile."""
+        step before this one's fetch (placeholders, `_can_plan_ahead`) or else before its
+        output processing, so the device runs it meanwhile."""
         outs: list[RequestOutput] = []
         self.last_step_tokens = 0  # the tokens of the step whose results this call applies
         if self._inflight is None and not self._dispatch(outs):
@@ -256,8 +258,8 @@ class LLMEngine(EngineControl):
         if overlap is None:
             overlap = self.async_scheduling
         # Step n+1 planned and dispatched now, its decode rows reading step n's tokens on
-        # the device; a failure of its dispatch is applied after step n's outputs, where
-        # the serial loop would meet it.
+        # the device. If its dispatch fails, the plan is taken back once step n is applied
+        # and planned again the usual way (a failure of its own then counts).
         ahead_failed = None
         if overlap and self._can_plan_ahead(out):
             ahead_failed = self._dispatch(outs, ahead=True)
@@ -284,16 +286,22 @@ class LLMEngine(EngineControl):
             elif rid in reqs:  # PromptLogprobs of a scoring row that does not sample
                 scored[rid] = r
         for rid, err in errors.items():
+            if rid not in reqs:  # ended since (a row planned ahead of its EOS, an abort)
+                continue
             self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
             changed += self.outputs.fail([rid], err.message)
         if scored:
             self.outputs.process_prompt_logprobs(scored)
         self.scheduler.update_from_output(out, tokens)
+        if ahead_failed is not None:
+            logger.warning("dispatching the step planned ahead failed (%s: %s); planning it "
+                           "again", type(ahead_failed[1]).__name__, ahead_failed[1])
+            self.scheduler.unschedule(ahead_failed[0])
         self.provenance.record(sampled, self.weight_version)
         grammar = self.grammars is not None and self.grammars.num_compiled
         # A row that sampled under a grammar must accept its token before its next mask:
         # after such a step the next is planned only once the matchers have advanced.
-        if (overlap and self._inflight is None and ahead_failed is None and out.grammar is None
+        if (overlap and self._inflight is None and out.grammar is None
                 and not self.pauser.paused and not self.sleeper.is_sleeping):
             self._dispatch(outs)  # step n+1 runs while step n's outputs are processed
         progressed, fin = self.outputs.process_tokens(sampled, time.monotonic())
@@ -303,10 +311,7 @@ class LLMEngine(EngineControl):
             progressed, fin = self.outputs.advance_grammars(sampled)
             self._apply(fin)
             changed += progressed
-        outs += self.outputs.collect(changed)
-        if ahead_failed is not None:
-            outs += self._fail_step(*ahead_failed)
-        return outs
+        return outs + self.outputs.collect(changed)
 
     def _can_plan_ahead(self, out: Any) -> bool:
         """Whether the step after `out` may be planned before `out`'s tokens are back: no
@@ -322,7 +327,7 @@ class LLMEngine(EngineControl):
         no rows (then it only tells the runner what ended). A step that fails to dispatch
         fails its requests, their outputs appended to `outs`; planned `ahead` (before the
         step in flight's tokens are back, `Scheduler.schedule(ahead=True)`) its
-        (plan, error) is returned instead, for the caller to fail after that step."""
+        (plan, error) is returned instead, for the caller to take back."""
         out = self.scheduler.schedule(self.runner.token_cap, ahead=ahead)
         self.outputs.on_scheduled(out, time.monotonic())
         if not out.scheduled:  # still the runner's: it drops the finished and preempted

@@ -223,8 +223,10 @@ class KVCacheManager:
     def commit(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache.
 
-        Called after the step that wrote their KV. A block whose content is
-        already cached elsewhere stays private (one cached copy per hash).
+        Called after the step that wrote their KV, or (a plan made ahead,
+        `Scheduler._commit_inputs`) once that step is dispatched: every step that can read
+        them runs after it. A block whose content is already cached elsewhere stays
+        private (one cached copy per hash).
         """
         if not self.enable_prefix_caching:
             return

@@ -40,8 +40,9 @@ class ScheduledRequest:
       start_pos: num_computed_tokens before this step.
       block_ids: the request's whole block-table row after this step's
         allocation (covers positions 0 .. start_pos + len(token_ids) - 1).
-      sample: True iff after this step num_computed_tokens == num_tokens, i.e.
-        the logits of the last token are sampled. A non-final prefill chunk or
+      sample: True iff after this step num_computed_tokens == num_tokens (counting the
+        tokens still on their way, `Request.num_output_placeholders`), i.e. the logits
+        of the last token are sampled. A non-final prefill chunk or
         recompute chunk has sample=False and produces no token.
       output_pos: num_output_tokens before this step, counting the tokens of rows planned
         but not yet sampled (`Request.num_output_placeholders`) = the output index the

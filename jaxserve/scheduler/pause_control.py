@@ -64,14 +64,14 @@ class PauseControl:
                 if req is not None and req.status is _RUNNING:
                     kv.commit(req)
 
-
     def unschedule(self, out: SchedulerOutput) -> None:
         """Take back the pending plan `out` as if it had not run (async scheduling drops a
         step in flight before a pause): each running row goes back to its start_pos, its
         blocks kept for the rerun; a request the plan admitted goes back to the front of
         the waiting queue, its blocks freed; its sampling rows' placeholders are dropped.
-        With a plan made ahead of `out`'s predecessor, that one becomes the pending plan. (A request the plan preempted stays
-        preempted: the dropped step may have written its freed blocks.)"""
+        When `out` was planned ahead (before the plan before it was applied), that plan
+        is the pending one again. (A request the plan preempted stays preempted: the
+        dropped step may have written its freed blocks.)"""
         if out is not self._pending_out:
             return
         self._pending_out, self._ahead_of = self._ahead_of, None  # the plan before it, if any

@@ -378,7 +378,8 @@ class Scheduler(PauseControl):
         """Apply one step's sampled tokens; return the requests it finished.
 
         Args:
-          out: the plan returned by the last `schedule()`.
+          out: the plan returned by the last `schedule()` (with a plan made ahead, the
+            one before it).
           sampled_token_ids: request_id -> token id for every row with
             sample=True, or a sequence indexed by row (entries of rows with
             sample=False are ignored). Rows of requests finished or aborted

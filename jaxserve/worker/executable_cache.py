@@ -74,7 +74,7 @@ _NON_PROGRAM_FIELDS = {
                   "token_buckets", "seq_buckets", "static_batching"),
     "": ("strict_compiles", "warmup", "compile_threads",
          "enable_prompt_logprobs",  # the set, not a program
-         "async_scheduling", "stream_interval",  # host-side only
+         "async_scheduling", "async_placeholders", "stream_interval",  # host-side only
          "quantization"),  # the flag; the weights' formats are in the arguments' signature
 }
 # jax config flags that change what a trace lowers to.

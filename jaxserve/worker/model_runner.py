@@ -153,8 +153,9 @@ class ModelRunner:
         self.score_enabled = config.enable_prompt_logprobs and jax.process_count() == 1
         self._score_jit = jax.jit(functools.partial(_score_fn, self.model_cfg,
                                                     config.max_logprobs), **score_sh)
-        # Async scheduling with output placeholders (issue 24): what a plan made ahead reads
-        self.feed = PlaceholderFeed(
+        ph = config.async_placeholders  # None: on unless the device is this CPU
+        self.placeholders = self.tp.platform != "cpu" if ph is None else bool(ph)
+        self.feed = PlaceholderFeed(  # what a plan made ahead reads (issue 24)
             self.tp.replicated if self.tp.mesh is not None
             else jax.sharding.SingleDeviceSharding(self.tp.devices[0]), self.max_seq_bucket)
         # ("stack", T_pad), ("head", S_pad) and ("score", T_pad) -> jax.stages.Compiled
@@ -316,11 +317,12 @@ class ModelRunner:
 
     def placeholders_ok(self) -> bool:
         """Whether the engine may plan the next step before this one's tokens are back
-        (`jaxserve.worker.runner.Runner.placeholders_ok`): one process (a multi-host
-        follower has no step to read them from), and no running request whose sampling
-        reads its outputs on the host (penalties) or that scores its prompt."""
-        return (self.step_listener is None and not self.requests.num_penalised
-                and not self.requests.num_scoring)
+        (`jaxserve.worker.runner.Runner.placeholders_ok`): `placeholders` on
+        (`EngineConfig.async_placeholders`; by default off on CPU), no step listener (a
+        multi-host follower has no step to read the tokens from), and no request held
+        whose sampling reads its outputs on the host (penalties) or that scores its prompt."""
+        return (self.placeholders and self.step_listener is None
+                and not self.requests.num_penalised and not self.requests.num_scoring)
 
     def execute(self, out: SchedulerOutput) -> dict[str, RowResult]:
         """Run one step (see `jaxserve.worker.runner.Runner.execute`).
@@ -382,7 +384,7 @@ class ModelRunner:
         stack = self.programs.get(("stack", t_pad))
         head = self.programs.get(("head", s_pad))
         score = self.programs.get(("score", t_pad)) if targets is not None else None
-        if ids_from is None:
+        if ids_from is None or self.feed.last_ids is None:
             dev = self.tp.put_batch(host)
         else:
             dev, src = self.tp.put_batch((host, ids_from))

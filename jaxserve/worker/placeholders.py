@@ -47,8 +47,8 @@ class PlaceholderFeed:
         if prog is None:
             ids = jax.ShapeDtypeStruct((t_pad,), jnp.int32, sharding=self.sharding)
             prev = jax.ShapeDtypeStruct((self.max_seq_bucket,), jnp.int32, sharding=self.sharding)
-            prog = self._merges[t_pad] = jax.jit(merge_placeholders).lower(
-                ids, ids, prev).compile()
+            prog = self._merges[t_pad] = jax.jit(merge_placeholders, out_shardings=self.sharding
+                                                 ).lower(ids, ids, prev).compile()
         return prog
 
     def merge(self, t_pad: int, input_ids: Any, src: Any) -> Any:
@@ -60,8 +60,9 @@ class PlaceholderFeed:
                 results: dict[str, RowResult]) -> np.ndarray | None:
         """i32[T_pad]: for each placeholder of `input_ids` (the plan's laid-out ids), the
         row of the last launched plan whose sampled token it is, -1 elsewhere; None when
-        the plan has no placeholder. A placeholder with no such row (never expected)
-        reads token 0 and its row fails (a `RowError` in `results`)."""
+        there is nothing to read. A placeholder with no such row (its request's every row
+        of that plan failed on the host, so nothing was launched) reads token 0 and its
+        row fails (a `RowError` in `results`); the other rows run."""
         if not (input_ids[:out.num_scheduled_tokens] == PLACEHOLDER_TOKEN_ID).any():
             return None
         prev = self.last_out if self.last_ids is not None else None
@@ -79,4 +80,4 @@ class PlaceholderFeed:
                         f"row {sr.request_id!r} reads a token no launched step samples"))
                 else:
                     src[t - 1] = i
-        return src
+        return src if prev is not None else None

@@ -277,6 +277,30 @@ def test_a_step_failing_on_the_device_drops_the_step_planned_after_it():
     assert all(c[3] == "length" for outs in res[True].values() for c in outs)
 
 
+def test_a_plan_made_ahead_that_fails_to_dispatch_is_planned_again():
+    """The runner refuses plans with placeholders twice: each is taken back once the step
+    before is applied and planned again after the fetch; nothing fails, outputs as serial."""
+    from jaxserve.scheduler.output import PLACEHOLDER_TOKEN_ID
+
+    res = {}
+    for on in (True, False):
+        eng = fake_engine(on)
+        refused, dispatch = [], eng.runner.dispatch
+
+        def refusing(out, dispatch=dispatch, refused=refused):
+            if len(refused) < 2 and any(PLACEHOLDER_TOKEN_ID in sr.token_ids
+                                        for sr in out.scheduled):
+                refused.append(out.step)
+                raise RuntimeError("no placeholders here")
+            return dispatch(out)
+
+        eng.runner.dispatch = refusing
+        ops = [("add", p, SamplingParams(max_tokens=6, temperature=0.0)) for p in PROMPTS[:3]]
+        res[on], _ = run_ops(eng, ops)
+        assert len(refused) == (2 if on else 0) and eng.num_failed_steps == 0
+    assert res[True] == res[False]
+
+
 def test_structured_output_steps_same_on_and_off():
     """Grammar rows run without overlap (their next mask needs this token accepted);
     the plain rows beside them and the grammar outputs match the serial loop's."""
@@ -336,6 +360,8 @@ def test_real_tiny_model_same_tokens_logprobs_and_text_on_and_off():
     sources = feed.sources
     pen = SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.3,
                          presence_penalty=0.5)
+    assert eng.runner.placeholders is False  # off by default on CPU (`async_placeholders`)
+    eng.runner.placeholders = True
     try:
         for on in (True, False):
             eng.async_scheduling = on
@@ -345,6 +371,7 @@ def test_real_tiny_model_same_tokens_logprobs_and_text_on_and_off():
                                  + [("add", "penalised", pen)])
     finally:
         eng.async_scheduling = eng.config.async_scheduling
+        eng.runner.placeholders = False
         del feed.sources
     assert_same(res[True], res[False])
     assert any(c[3] == "stop" for outs in res[True].values() for c in outs)  # a stop string hit
@@ -362,6 +389,7 @@ def test_weight_update_between_steps_same_on_and_off():
     _, p0 = tiny_params()
     _, p1 = tiny_params(seed=1)
     res = {}
+    eng.runner.placeholders = True  # off by default on CPU (`async_placeholders`)
     try:
         for mode in ("keep", "abort"):
             for on in (True, False):
@@ -386,6 +414,7 @@ def test_weight_update_between_steps_same_on_and_off():
                 eng.update_params(p0)
     finally:
         eng.async_scheduling = eng.config.async_scheduling
+        eng.runner.placeholders = False
     for mode in ("keep", "abort"):
         assert_same(res[mode, True], res[mode, False])
     assert any(c[3] == "error" for outs in res["abort", True].values() for c in outs[:-1])
