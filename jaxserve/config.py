@@ -418,7 +418,7 @@ class EngineConfig:
     # async_scheduling, plan and dispatch step n+1 before step n's tokens are back, its
     # decode rows reading them on the device. None: on where the device is not the host's
     # own cores (GPU, TPU); off on CPU, where the planning then competes with the step for
-    # the same cores (measured there: 0.93-0.97x the throughput, BUILD_NOTES).
+    # the same cores (measured there: 0.93-1.01x the throughput, BUILD_NOTES "sixth session").
     async_placeholders: bool | None = None
     # vLLM's stream_interval: a live request gets a RequestOutput once it has this many
     # new tokens (its first token and its last always at once); 1 is every token. Larger
