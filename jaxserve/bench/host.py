@@ -165,10 +165,7 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
     from jaxserve.sampling_params import SamplingParams
 
     engine = _engine(rows, device_ms, real, tokenizer, async_scheduling, stream_interval)
-    if hasattr(engine.runner, "placeholders"):  # the real runner: on CPU off by default
-        engine.runner.placeholders = placeholders
-    elif not placeholders:
-        engine.runner.placeholders_ok = lambda: False
+    engine.runner.placeholders = placeholders  # the real runner's default on CPU is off
     # The heap a server process has after warm-up (`freeze_gc_heap` runs once a process,
     # so a second case here would otherwise run with its engine unfrozen).
     gc.collect()

@@ -260,9 +260,10 @@ class LLMEngine(EngineControl):
         # Step n+1 planned and dispatched now, its decode rows reading step n's tokens on
         # the device. If its dispatch fails, the plan is taken back once step n is applied
         # and planned again the usual way (a failure of its own then counts).
-        ahead_failed = None
+        ahead_failed = None  # (plan, error) of a plan made ahead whose dispatch raised
         if overlap and self._can_plan_ahead(out):
-            ahead_failed = self._dispatch(outs, ahead=True)
+            planned, err = self._launch(ahead=True)
+            ahead_failed = None if err is None else (planned, err)
         self.last_step_tokens = out.num_scheduled_tokens
         try:
             results = handle.result()
@@ -322,27 +323,31 @@ class LLMEngine(EngineControl):
         ok = getattr(self.runner, "placeholders_ok", None)
         return ok is not None and ok()
 
-    def _dispatch(self, outs: list[RequestOutput], *, ahead: bool = False) -> Any:
-        """Plan a step and dispatch it to the runner (`self._inflight`); falsy when it has
-        no rows (then it only tells the runner what ended). A step that fails to dispatch
-        fails its requests, their outputs appended to `outs`; planned `ahead` (before the
-        step in flight's tokens are back, `Scheduler.schedule(ahead=True)`) its
-        (plan, error) is returned instead, for the caller to take back."""
+    def _dispatch(self, outs: list[RequestOutput]) -> bool:
+        """Plan a step and dispatch it (`_launch`); False when nothing was dispatched. A
+        step that fails to dispatch fails its requests, their outputs appended to `outs`."""
+        out, err = self._launch()
+        if err is not None:
+            outs += self._fail_step(out, err)
+        return out is not None and err is None
+
+    def _launch(self, *, ahead: bool = False) -> tuple[Any, Exception | None]:
+        """Plan a step (`ahead`: before the step in flight's tokens are back,
+        `Scheduler.schedule(ahead=True)`) and dispatch it to the runner (`self._inflight`).
+        Returns (plan, None) once dispatched; (None, None) for a plan with no rows (then it
+        only tells the runner what ended); (plan, error) when its dispatch raised."""
         out = self.scheduler.schedule(self.runner.token_cap, ahead=ahead)
         self.outputs.on_scheduled(out, time.monotonic())
         if not out.scheduled:  # still the runner's: it drops the finished and preempted
             self.runner.execute(out)
-            return None if ahead else False
+            return None, None
         try:
             dispatch = getattr(self.runner, "dispatch", None)
             handle = dispatch(out) if dispatch is not None else DoneStep(self.runner.execute(out))
         except Exception as e:
-            if ahead:
-                return out, e
-            outs += self._fail_step(out, e)
-            return False
+            return out, e
         self._inflight = (out, handle)
-        return None if ahead else True
+        return out, None
 
     def _drop_ahead(self, failed: tuple[Any, Exception] | None) -> None:
         """The step before the one planned ahead failed: the one in flight read its tokens,

@@ -160,6 +160,13 @@ class Request(TokenCounts):
     def min_tokens(self) -> int:
         return self.sampling_params.min_tokens
 
+    @property
+    def last_output_on_its_way(self) -> bool:
+        """A plan made ahead is waiting for this request's last token by max_tokens (a
+        placeholder): it finishes by length when that token is applied."""
+        ph = self.num_output_placeholders
+        return ph > 0 and len(self.output_token_ids) + ph >= self.max_tokens
+
     # ------------------------------------------------------------ mutation
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -89,7 +89,6 @@ class Scheduler(PauseControl):
         self._unsent: set[str] = set()  # running, its NewRequestData not yet in a plan
         self._pending_out: SchedulerOutput | None = None
         self._ahead_of: SchedulerOutput | None = None  # the plan before a plan made ahead
-        self._finishing = 0
         self._step = 0
 
     # ------------------------------------------------------------ queries
@@ -178,10 +177,10 @@ class Scheduler(PauseControl):
         static = self.config.static_batching
         if static and not self.running and not preempted:
             self._admit_static_batch()
-        budget = self._schedule_running(self.bucket_policy.token_budget(token_cap), scheduled,
-                                        preempted, pending)
+        budget, finishing = self._schedule_running(self.bucket_policy.token_budget(token_cap),
+                                                   scheduled, preempted, pending)
         if not preempted and not static:
-            self._schedule_waiting(budget, scheduled, pending)
+            self._schedule_waiting(budget, scheduled, pending, finishing)
         return self._make_output(scheduled, preempted)
 
     def _chunk(self, n: int, budget: int) -> int:
@@ -189,22 +188,24 @@ class Scheduler(PauseControl):
         return min(n, thr, budget) if thr else min(n, budget)
 
     def _schedule_running(self, budget: int, scheduled: dict[str, tuple[Request, int]],
-                          preempted: list[Request], pending: set[bytes]) -> int:
+                          preempted: list[Request], pending: set[bytes]) -> tuple[int, int]:
+        """Schedule the running requests; returns (budget left, how many gave their seat up
+        because their last token is on its way)."""
         kv = self.kv_cache_manager
         try_allocate = kv.try_allocate
         caching = kv.enable_prefix_caching
         B = self.block_size
         thr = self.config.long_prefill_token_threshold
         chunks: list[Request] = []  # requests with > 1 token left, served after all decodes
-        self._finishing = 0  # running, their last token on its way: their seats are free
+        finishing = 0  # running, their last token on its way: their seats are free
         for req in list(self.running):  # a copy: preemption pops from the tail
             if req.status is not _RUNNING:  # preempted earlier in this loop
                 continue
             c = req.num_computed_tokens
             ph = req.num_output_placeholders  # > 0 only when planning ahead
-            if ph and len(req.output_token_ids) + ph >= req.max_tokens:
-                self._finishing += 1  # the token on its way is its last: it finishes by
-                continue  # length, and its seat can go to a waiting request now
+            if ph and req.last_output_on_its_way:
+                finishing += 1  # it finishes by length once that token is applied, and
+                continue  # its seat can go to a waiting request now
             if len(req.all_token_ids) + ph - c > 1:
                 chunks.append(req)
             elif budget > 0:
@@ -233,7 +234,7 @@ class Scheduler(PauseControl):
                     self._note_pending(req, n, pending)
             else:
                 budget = self._preempt_for(req, n, budget, scheduled, preempted, pending)
-        return budget
+        return budget, finishing
 
     def _preempt_for(self, req: Request, n: int, budget: int,
                      scheduled: dict[str, tuple[Request, int]], preempted: list[Request],
@@ -256,9 +257,9 @@ class Scheduler(PauseControl):
         return budget - n
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, tuple[Request, int]],
-                          pending: set[bytes]) -> None:
+                          pending: set[bytes], finishing: int = 0) -> None:
         kv = self.kv_cache_manager
-        max_seqs = self.config.max_num_seqs + self._finishing
+        max_seqs = self.config.max_num_seqs + finishing
         deferred: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < max_seqs:
             req = self.waiting.peek()

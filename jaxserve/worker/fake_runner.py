@@ -173,6 +173,9 @@ class FakeRunner:
         self._device_free_at = 0.0  # time.perf_counter() when the simulated device is idle
         self._stats = RunnerStats()
         self.asleep: set[str] = set()  # the SLEEP_TAGS a sleep freed (no memory to free)
+        # take plans made ahead (`placeholders_ok`); as `ModelRunner.placeholders`, but on
+        # by default: the simulated device is not the host's cores
+        self.placeholders = True
 
     @classmethod
     def for_config(cls, config: "EngineConfig", **kw) -> "FakeRunner":
@@ -246,11 +249,11 @@ class FakeRunner:
 
     def placeholders_ok(self) -> bool:
         """Whether the next plan may be made before this step's tokens are back (its rows
-        reading them as placeholders; `jaxserve.engine.core`): as `ModelRunner`, not while
-        a running request's sampling reads its outputs (penalties) or scores its prompt.
+        reading them as placeholders; `jaxserve.engine.core`): `placeholders` on and, as
+        `ModelRunner`, `RequestStates.plan_ahead_ok`.
         The fake makes a step's tokens when it is fetched, so a placeholder row sees the
         token the step before made."""
-        return not self.requests.num_penalised and not self.requests.num_scoring
+        return self.placeholders and self.requests.plan_ahead_ok()
 
     def _make_tokens(self, results: dict[str, RowResult], sample: list, masks: dict,
                      plan: Any) -> None:
@@ -423,8 +426,7 @@ def check_invariants(s: Scheduler) -> None:
     assert len(running_ids) == len(s.running) and not running_ids & waiting_ids
     assert running_ids | waiting_ids == set(s.requests), "a live request is lost"
     # Planned ahead, a request whose last token is on its way gives its seat up early.
-    finishing = sum(1 for r in s.running if r.num_output_placeholders
-                    and r.num_output_tokens + r.num_output_placeholders >= r.max_tokens)
+    finishing = sum(r.last_output_on_its_way for r in s.running)
     assert len(s.running) - finishing <= s.config.max_num_seqs
     for r in s.running:
         assert r.status == RequestStatus.RUNNING

@@ -97,6 +97,11 @@ class RequestStates(dict):
             (16, max_blocks_per_seq), np.int32)
         self._free_slots = list(range(15, 0, -1))
 
+    def plan_ahead_ok(self) -> bool:
+        """No request held whose sampling reads its outputs on the host (penalties) or
+        that scores its prompt: a plan made ahead of the last step's tokens can run."""
+        return not self.num_penalised and not self.num_scoring
+
     def _drop(self, rid: str) -> None:
         st = self.pop(rid, None)
         if st is not None and st.logprob_start is not None:

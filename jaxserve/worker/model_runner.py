@@ -322,7 +322,7 @@ class ModelRunner:
         multi-host follower has no step to read the tokens from), and no request held
         whose sampling reads its outputs on the host (penalties) or that scores its prompt."""
         return (self.placeholders and self.step_listener is None
-                and not self.requests.num_penalised and not self.requests.num_scoring)
+                and self.requests.plan_ahead_ok())
 
     def execute(self, out: SchedulerOutput) -> dict[str, RowResult]:
         """Run one step (see `jaxserve.worker.runner.Runner.execute`).
@@ -384,7 +384,7 @@ class ModelRunner:
         stack = self.programs.get(("stack", t_pad))
         head = self.programs.get(("head", s_pad))
         score = self.programs.get(("score", t_pad)) if targets is not None else None
-        if ids_from is None or self.feed.last_ids is None:
+        if ids_from is None:
             dev = self.tp.put_batch(host)
         else:
             dev, src = self.tp.put_batch((host, ids_from))
