@@ -442,6 +442,9 @@ class EngineConfig:
                  f"divisor of num_hidden_layers={L}")
         _require(isinstance(self.stream_interval, int) and self.stream_interval >= 1,
                  f"EngineConfig.stream_interval={self.stream_interval!r} must be a positive int")
+        _require(self.async_placeholders in (None, True, False),
+                 f"EngineConfig.async_placeholders={self.async_placeholders!r} must be None "
+                 f"(auto: off on CPU), True or False")
         _require(isinstance(self.compile_threads, int) and self.compile_threads >= 1,
                  f"EngineConfig.compile_threads={self.compile_threads!r} must be a positive int")
         _require(self.quantization in QUANTIZATION_SCHEMES,

@@ -80,6 +80,15 @@ def test_a_request_preempted_while_its_token_is_out_gets_it_and_recomputes():
     check_invariants(s)
 
 
+def test_async_placeholders_is_validated():
+    from jaxserve.config import ModelConfig
+    from jaxserve.engine import make_engine_config
+
+    with pytest.raises(ValueError, match="async_placeholders='yes' must be None"):
+        make_engine_config(ModelConfig.tiny(), async_placeholders="yes")
+    assert make_engine_config(ModelConfig.tiny(), async_placeholders=True).async_placeholders
+
+
 def _drive_ahead(s, fn, max_steps=2000):
     """The engine's loop with every plan made ahead: schedule n+1, then apply n."""
     inflight = None
