@@ -406,6 +406,12 @@ class EngineConfig:
     # "none" full precision, "int8" (per-channel), "q8_0" (blocks of 32) and "q4" (Q4_1-style
     # blocks of 32) quantize float matrices at load (`jaxserve.model.quant`).
     quantization: Literal["auto", "none", "int8", "q8_0", "q4"] = "auto"
+    # Fused projections (`jaxserve.model.fused`): wq|wk|wv and w_gate|w_up as one matrix
+    # each, four matmuls a layer instead of seven. None (auto): on CPU where the layer
+    # matrices are block-quantized in one format (fewer native kernel calls: notes/issue26.md)
+    # and neither LoRA nor tensor parallelism is on; off elsewhere. True with LoRA, tensor
+    # parallelism or Gemma 3 is an error (the runner's, before any compile).
+    fuse_projections: bool | None = None
     max_loras: int = 0  # LoRA (issue 27, vLLM's name): adapter slots on the device; 0: off
     max_lora_rank: int = 16  # the largest adapter rank a slot holds (checked by the runner)
     # vLLM's async_scheduling (issue 24): plan and dispatch step n+1 as soon as step n's
@@ -445,6 +451,9 @@ class EngineConfig:
         _require(self.async_placeholders in (None, True, False),
                  f"EngineConfig.async_placeholders={self.async_placeholders!r} must be None "
                  f"(auto: off on CPU), True or False")
+        _require(self.fuse_projections in (None, True, False),
+                 f"EngineConfig.fuse_projections={self.fuse_projections!r} must be None (auto), "
+                 f"True or False")
         _require(isinstance(self.compile_threads, int) and self.compile_threads >= 1,
                  f"EngineConfig.compile_threads={self.compile_threads!r} must be a positive int")
         _require(self.quantization in QUANTIZATION_SCHEMES,

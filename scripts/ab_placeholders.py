@@ -33,6 +33,11 @@ def load_workload(path: str) -> list[tuple[list[dict], int]]:
 
 def run(llm: LLM, work, placeholders: bool) -> tuple[float, int, list]:
     llm.engine.runner.placeholders = placeholders  # `EngineConfig.async_placeholders`
+    return generate_timed(llm, work)
+
+
+def generate_timed(llm: LLM, work) -> tuple[float, int, list]:
+    """(seconds, tokens, token ids per prompt) of one greedy `ignore_eos` generate of `work`."""
     params = [SamplingParams(max_tokens=mt, temperature=0.0, ignore_eos=True) for _, mt in work]
     t0 = time.perf_counter()
     outs = llm.generate([m for m, _ in work], params, use_tqdm=False)

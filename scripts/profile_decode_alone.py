@@ -14,6 +14,9 @@ between program calls (step wall minus the programs), and tokens/s of the unwrap
   layers_off FLOAT_NATIVE_MAX_ROWS = 0 (the layers on XLA's dot: the "before" of that)
   g<N>       the shipped thresholds with `EngineConfig.layers_per_program = N` (g1: the CPU
              default; g30: SmolLM2's whole stack in one program)
+  fused      `EngineConfig.fuse_projections = True` (q|k|v and gate|up as one matrix each)
+  unfused    `EngineConfig.fuse_projections = False` (the default on float weights; on
+             block-quantized ones on CPU the default fuses: the "before" of that)
 Every variant's engine is built first, then the untimed runs are interleaved (variant by
 variant, --reps rounds) and so are the timed ones; --hlo prints what each variant's one-row
 layer program holds (custom calls: the native matmuls and attention; fusions). The load average is printed with each row: only ratios within one run mean anything.
@@ -88,6 +91,7 @@ def _decode(llm, prompt: str, max_tokens: int, acc: dict | None) -> tuple[float,
 def build(a, variant: str):
     """The variant's `LLM` (linear's thresholds set while its programs are traced)."""
     group = int(variant[1:]) if variant[0] == "g" else None
+    fuse = {"fused": True, "unfused": False}.get(variant)
     overrides = VARIANTS.get(variant, {})
     saved = {k: getattr(linear, k) for k in overrides}
     for k, v in overrides.items():
@@ -96,7 +100,7 @@ def build(a, variant: str):
         t = time.perf_counter()
         llm = LLM(a.model, quantization=a.quantization, max_num_seqs=1,
                   max_num_batched_tokens=64, max_model_len=1024, executable_cache_dir=None,
-                  layers_per_program=group)
+                  layers_per_program=group, fuse_projections=fuse)
         print(f"{variant}: engine built in {time.perf_counter() - t:.1f} s, load "
               f"{os.getloadavg()[0]:.2f}", flush=True)
         return llm

@@ -262,7 +262,11 @@ class LLMEngine(EngineControl):
         # and planned again the usual way (a failure of its own then counts).
         ahead_failed = None  # (plan, error) of a plan made ahead whose dispatch raised
         if overlap and self._can_plan_ahead(out):
-            planned, err = self._launch(ahead=True)
+            try:
+                planned, err = self._launch(ahead=True)
+            except BaseException:  # planning raised: step n stays in flight, applied next
+                self._inflight = (out, handle)  # call (its plan is the one pending)
+                raise
             ahead_failed = None if err is None else (planned, err)
         self.last_step_tokens = out.num_scheduled_tokens
         try:

@@ -9,8 +9,10 @@ by `jaxserve.gpu.compile` (`python -m jaxserve.gpu.deviceless REQUEST.pkl`):
    and KV cache are `jax.ShapeDtypeStruct`s placed on those GPUs (the weights come
    from `abstract_params`, zero-stride NumPy views: no download, no memory), so the
    runner traces, lowers and XLA-compiles exactly the programs a GPU runner of the
-   same config would (`ModelRunner.warmup_keys()`), for the target's sm_90a / sm_80,
-   Pallas kernels (Triton, Mosaic GPU) and ptxas included.
+   same config would (`ModelRunner.warmup_keys()`, then the placeholder merge of each
+   token bucket, key ("merge_placeholders", T), when async scheduling with placeholders
+   is on, as it is by default on a GPU), for the target's sm_90a / sm_80, Pallas kernels
+   (Triton, Mosaic GPU) and ptxas included.
 3. Per program it appends one JSON line to the result file: a "start" record before
    the compile (so a process abort, e.g. an LLVM error, names its program), then the
    report (`jaxserve.gpu.report.program_report`). Compiled programs are stored in the
@@ -37,6 +39,8 @@ from jaxserve.gpu.targets import GpuTarget
 from jaxserve.model.params import param_shapes
 from jaxserve.model.quant import LINEAR_KEYS, TOP_KEYS, abstract_quantized
 from jaxserve.worker.executable_cache import ExecutableCache
+
+MERGE = "merge_placeholders"  # the report's key family of `PlaceholderFeed.program`
 
 
 def compile_only_devices(target: GpuTarget, count: int) -> list:
@@ -185,11 +189,15 @@ def run(request: dict) -> int:
         return 2
     if request.get("executable_cache_dir"):
         runner._exec_cache = _StoreOnlyCache(request["executable_cache_dir"])
-    emit({"backend": runner.backend.name, "keys": runner.warmup_keys(),
+    # The placeholder merges (issue 24) a GPU runner builds at warm-up beside the table's
+    # programs: async scheduling with placeholders is on by default off CPU.
+    merges = [(MERGE, t) for t in runner.bucket_policy.token_buckets] \
+        if runner.placeholders_ok() else []
+    emit({"backend": runner.backend.name, "keys": runner.warmup_keys() + merges,
           "layers_per_program": runner.group})
     skip = {tuple(k) for k in request.get("skip", ())}
     log, dump = Path(request["log"]), Path(request["mosaic_dump"])
-    for key in runner.warmup_keys():
+    for key in runner.warmup_keys() + merges:
         if key in skip:
             continue
         emit({"start": key})
@@ -198,9 +206,13 @@ def run(request: dict) -> int:
         t0 = time.perf_counter()
         # Pallas reads the GPU it lowers for from the ambient mesh's device kind.
         with _stderr_to(log), jax.set_mesh(dtp.mesh or dtp.single_mesh()):
-            runner.programs.build(key)
+            if key[0] == MERGE:
+                program = runner.feed.program(key[1])
+            else:
+                runner.programs.build(key)
+                program = runner.programs.programs[key]
         dt = time.perf_counter() - t0
-        emit(program_report(key, runner.programs.programs[key], seconds=dt, log=log,
+        emit(program_report(key, program, seconds=dt, log=log,
                             log_offset=offset, mosaic_dump=dump, mosaic_before=before))
     return 0
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.attention.common import NO_WINDOW, AttentionBackend, MdT
-from jaxserve.model import gemma3
+from jaxserve.model import fused, gemma3
 from jaxserve.model.linear import embed_rows, head_matrix_product, linear
 from jaxserve.model.lora import project
 from jaxserve.model.ops import apply_rope, rms_norm  # noqa: F401 - re-exported
@@ -146,26 +146,14 @@ def canonical_params(params: "Llama | nnx.State | Mapping[str, object]") -> dict
 
 
 def fuse_projections(cfg: ModelConfig, lp: Mapping[str, object]) -> dict[str, object]:
-    """One layer's (or the stacked layers') weights with the projections that read the
-    same input fused along the output axis: wq|wk|wv -> wqkv [.., E, (H+2K)*D] (and
-    bq|bk|bv -> bqkv [.., (H+2K)*D] with cfg.attention_bias), w_gate|w_up -> w_gate_up
-    [.., E, 2F]: two matmuls instead of five per layer (the usual fused-QKV / fused
-    gate-up layout of vLLM and llama.cpp). On XLA:CPU it measured slower for SmolLM2
-    (notes/perf.md), so `prepare_params` applies it only with fuse=True.
-    NumPy in -> NumPy out (one host copy), jax in -> jax out.
-    """
-    lp = dict(lp)
-    arrays = [lp[k] for k in ("wq", "wk", "wv", "w_gate", "w_up")]
-    cat = np.concatenate if not any(isinstance(a, jax.Array) for a in arrays) else jnp.concatenate
-    lp["wqkv"] = cat([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=-1)
-    if cfg.attention_bias:
-        lp["bqkv"] = cat([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
-    lp["w_gate_up"] = cat([lp.pop("w_gate"), lp.pop("w_up")], axis=-1)
-    return lp
+    """One layer's (or the stacked layers') weights with wq|wk|wv -> wqkv and
+    w_gate|w_up -> w_gate_up (bq|bk|bv -> bqkv with cfg.attention_bias): four matmuls a
+    layer instead of seven (`jaxserve.model.fused`, float or block-quantized leaves)."""
+    return fused.fuse_projections(lp, attention_bias=cfg.attention_bias)
 
 
 def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, object]", *,
-                   unroll_layers: bool, fuse: bool = False,
+                   unroll_layers: bool, fuse: bool | None = False,
                    place: Callable[[dict], Params] | None = None,
                    quantization: str = "auto", tensor_parallel_size: int = 1,
                    like: Params | None = None) -> Params:
@@ -188,9 +176,8 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
       cfg: the model config (shapes and dtype).
       params: a `Llama` module, its `nnx.State`, or the canonical tree (NumPy or jax).
       unroll_layers: per-layer weight buffers (True) or the stacked [L] leaves.
-      fuse: fused q/k/v and gate/up projections. Off by default: three same-process
-        A/Bs on SmolLM2 (notes/perf.md, 2026-12-01) measured the fused step 3-20%
-        slower on XLA:CPU; kept so `scripts/profile_step.py fwd` can re-measure it.
+      fuse: fused q/k/v and gate/up (`jaxserve.model.fused`); None: when the layers end
+        up block-quantized in one format (`fused.fusable`). With `like`, its layout.
       place: puts the host-layout tree on the devices (default one `jax.device_put`);
         tensor parallelism passes `jaxserve.distributed.tensor_parallel.TensorParallel.place_params`,
         which places each leaf shard by shard with its sharding.
@@ -208,14 +195,15 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
 
     Raises:
       ValueError: a missing, extra, mis-shaped or non-floating leaf (naming its path),
-        or fuse with a `place` (the fused layout has no tensor-parallel specs); a bad
-        quantization (`quant.engine_scheme`).
+        or fuse=True with tensor parallelism (the fused layout has no sharding specs) or
+        the Gemma 3 block; a bad quantization (`quant.engine_scheme`); fuse=True over
+        parts of different quantized formats.
     """
     if fuse and cfg.sandwich_norms:
         raise ValueError("prepare_params: fuse=True is not implemented for the Gemma 3 block")
-    if fuse and place is not None:
+    if fuse and tensor_parallel_size > 1:
         raise ValueError("prepare_params: fuse=True has no sharded layout; use fuse=False "
-                         "with a placement (tensor parallelism)")
+                         f"with tensor_parallel_size={tensor_parallel_size}")
     tree = canonical_params(params)
     validate_params(cfg, tree)
     quantization = engine_scheme(quantization, tree, tensor_parallel_size=tensor_parallel_size)
@@ -223,13 +211,13 @@ def prepare_params(cfg: ModelConfig, params: "Llama | nnx.State | Mapping[str, o
     like_top = like or {}
     like_l = (like or {}).get("layers")
     like_l = like_l[0] if isinstance(like_l, (list, tuple)) else (like_l or {})
+    if like is not None:  # update_params: the live layout, each part like its fused leaf
+        fuse, like_l = fused.is_fused(like_l), fused.unfused_like(like_l)
     tree = {k: _quantize(k, v, quantization, like_top.get(k)) for k, v in tree.items()
             if k != "layers"} | {"layers": {k: _quantize(k, v, quantization, like_l.get(k))
                                             for k, v in tree["layers"].items()}}
-    quantized = any(isinstance(v, QuantizedWeight)
-                    for v in [*tree.values(), *tree["layers"].values()])
-    if fuse and quantized:
-        raise ValueError("prepare_params: fuse=True has no quantized layout; use fuse=False")
+    if fuse is None:
+        fuse = fused.fusable(tree["layers"]) and not cfg.sandwich_norms
     out = {k: _cast(v, dt) for k, v in tree.items() if k != "layers"}
     layers = tree["layers"]
     layout = functools.partial(fuse_projections, cfg) if fuse else dict

@@ -21,8 +21,7 @@ compile cache (jax's `jax.monitoring` event '/jax/compilation_cache/cache_hits')
 step whose shape has no program is a counted late compile (or, `strict_compiles`, refused).
 
 Start-up (issue 12): a "progressive" warm-up (ready at the smallest bucket, `token_cap`
-capped meanwhile); an executable cache (`jaxserve.worker.executable_cache`) for restarts.
-"""
+capped meanwhile); an executable cache (`jaxserve.worker.executable_cache`) for restarts."""
 
 from __future__ import annotations
 
@@ -38,6 +37,7 @@ import numpy as np
 from jaxserve.attention import CommonAttentionMetadata, get_attention_backend
 from jaxserve.config import EngineConfig, max_blocks_per_seq
 from jaxserve.distributed.tensor_parallel import OwnedHostParams, TensorParallel
+from jaxserve.model.fused import resolve_fuse
 from jaxserve.model.llama import prepare_params
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
@@ -65,9 +65,8 @@ class ModelRunner:
 
     Args:
       config: the engine config (model, cache, scheduler limits, backend).
-      params: the canonical parameter tree (see `jaxserve.model.llama`), any array type;
-        always copied, except a `jaxserve.distributed.tensor_parallel.OwnedHostParams` tree on one CPU
-        device, whose aligned NumPy leaves become the device buffers.
+      params: the canonical parameter tree (`jaxserve.model.llama`), any array type; always
+        copied, except an `OwnedHostParams` tree on one CPU device (its aligned leaves used).
       bucket_policy: the (T_pad, S_pad) shapes this runner may be asked for.
       strict_compiles: raise instead of compiling when a step after warm-up
         needs a program warm-up did not build (None: `config.strict_compiles`).
@@ -125,6 +124,7 @@ class ModelRunner:
         owned = isinstance(params, OwnedHostParams)  # the caller gave the tree away
         self.params = prepare_params(  # quantization (issue 26) checked before any compile
             self.cfg, params.tree if owned else params, unroll_layers=config.unroll_layers,
+            fuse=resolve_fuse(config, self.tp.platform),
             place=functools.partial(self.tp.place_params, alias_host=owned),
             quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size)
         self.lora = LoRAPool.attach_to(self)  # issue 27: LoRA slots in the params (or None)

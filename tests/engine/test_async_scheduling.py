@@ -301,6 +301,44 @@ def test_a_plan_made_ahead_that_fails_to_dispatch_is_planned_again():
     assert res[True] == res[False]
 
 
+def test_planning_ahead_that_raises_keeps_the_step_in_flight():
+    """`schedule(ahead=True)` raising (a scheduler bug) propagates out of `step()` with the
+    step in flight kept: the caller (the server's loop) aborts the requests, the next
+    `step()` applies that step, no KV block is held, and the engine serves the next
+    request with the output a fresh engine gives."""
+    eng = fake_engine(True, prefix=False)
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add_request(f"r{i}", p, sp)
+    schedule, raised = eng.scheduler.schedule, []
+
+    def flaky(*a, ahead=False, **kw):
+        if ahead and not raised and eng.scheduler.get_request("r0").num_output_tokens >= 2:
+            raised.append(1)
+            raise RuntimeError("scheduler bug")
+        return schedule(*a, ahead=ahead, **kw)
+
+    eng.scheduler.schedule = flaky
+    try:
+        while not raised:
+            eng.step()
+    except RuntimeError as e:
+        assert "scheduler bug" in str(e)
+    assert raised and eng._inflight is not None  # the step in flight is not lost
+    for i in range(3):
+        eng.abort(f"r{i}")
+    while eng.has_unfinished_requests() or eng._inflight is not None:
+        eng.step()
+    kv = eng.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks and not eng.scheduler.requests
+    kv.check_invariants([])
+    eng.add_request("again", PROMPTS[3], sp)
+    got = final(drain(eng)["again"])
+    ref = fake_engine(True, prefix=False)
+    ref.add_request("again", PROMPTS[3], sp)
+    assert got == final(drain(ref)["again"]) and got[0][3] == "length"
+
+
 def test_structured_output_steps_same_on_and_off():
     """Grammar rows run without overlap (their next mask needs this token accepted);
     the plain rows beside them and the grammar outputs match the serial loop's."""

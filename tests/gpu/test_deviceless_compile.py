@@ -48,15 +48,22 @@ def test_deviceless_compile_covers_the_warmup_set_with_the_pallas_kernel(compile
     target, rep, _ = compiled
     backend, call, arch, kernel = CASES[target]
     config = tiny_config()
-    # exactly the programs warm-up builds (BucketPolicy's set; no score family here)
+    # exactly the programs warm-up builds (BucketPolicy's set; no score family here), and
+    # the placeholder merge of each token bucket (async scheduling's, on by default on GPU)
     keys = BucketPolicy.from_config(config.scheduler).program_keys(score=False)
-    assert sorted(map(tuple, rep["keys"])) == sorted(keys) == [("head", 2), ("stack", 2),
-                                                             ("stack", 8)]
+    assert sorted(keys) == [("head", 2), ("stack", 2), ("stack", 8)]
+    keys += [("merge_placeholders", 2), ("merge_placeholders", 8)]
+    assert sorted(map(tuple, rep["keys"])) == sorted(keys)
     assert sorted(tuple(p["key"]) for p in rep["programs"]) == sorted(keys)
     assert rep["failed"] == [] and rep["backend"] == backend and rep["sm"] == arch
     L, N, B, K, D = 2, 16, 16, 2, 64
     for p in rep["programs"]:
         parts = {x["part"]: x for x in p["parts"]}
+        if p["key"][0] == "merge_placeholders":  # ids i32[T], sources i32[T], head ids i32[S_max]
+            T = p["key"][1]
+            assert parts[""]["memory"]["argument"] == 4 * (2 * T + 2), parts[""]["memory"]
+            assert not any(k["pallas"] for k in p["kernels"]), p["kernels"]
+            continue
         if p["key"][0] == "head":
             assert not any(c in parts[""]["custom_calls"] for c in CASES[target][1:2])
             continue
@@ -115,7 +122,7 @@ def test_deviceless_tensor_parallel_compiles_on_a_two_gpu_topology():
                                 enable_prompt_logprobs=False, tensor_parallel_size=2)
     rep = compile_for_target(config, "h200")
     assert rep["failed"] == [] and [tuple(p["key"]) for p in rep["programs"]] == [
-        ("stack", 2), ("head", 2)]
+        ("stack", 2), ("head", 2), ("merge_placeholders", 2)]
     layers = next(x for x in rep["programs"][0]["parts"] if x["part"] == "layers")
     assert "mosaic_gpu_v2" in layers["custom_calls"]
     assert "all-reduce" in layers["collectives"]  # the row-parallel o / down projections

@@ -27,7 +27,7 @@ def test_lora_programs_compile_deviceless(target):
                                 enable_prompt_logprobs=False, max_loras=S, max_lora_rank=r)
     rep = compile_for_target(config, target)
     assert rep["failed"] == [] and [tuple(p["key"]) for p in rep["programs"]] == [
-        ("stack", 2), ("head", 2)]
+        ("stack", 2), ("head", 2), ("merge_placeholders", 2)]
     layers = next(x for x in rep["programs"][0]["parts"] if x["part"] == "layers")
     L, N, B, K, D = 2, 16, 16, 2, 64
     E, H, F = cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size

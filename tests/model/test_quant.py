@@ -233,12 +233,13 @@ def _reference_greedy(cfg, params, prompt, n):
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("scheme", ["q4", "int8"])
-def test_engine_on_quantized_weights(scheme):
+@pytest.mark.parametrize("scheme,fuse", [("q4", None), ("int8", None), ("q4", False)])
+def test_engine_on_quantized_weights(scheme, fuse):
     """Greedy tokens of an engine that quantizes float weights at load equal a float
     reference forward over the same (dequantized) weights; update_params with float
-    weights quantizes them on the way in; no compile after warm-up; the weights stay
-    quantized on the device."""
+    weights quantizes them on the way in (into the fused layout too); no compile after
+    warm-up; the weights stay quantized on the device. fuse_projections None (the
+    default) fuses q|k|v and gate|up on CPU (`jaxserve.model.fused`)."""
     from jaxserve.engine import LLMEngine, make_engine_config
     from tests.conftest import tiny_params
 
@@ -246,10 +247,13 @@ def test_engine_on_quantized_weights(scheme):
     config = make_engine_config(cfg, max_model_len=64, block_size=4, num_kv_blocks=64,
                                 max_num_seqs=4, max_num_batched_tokens=16,
                                 attention_backend="xla", min_token_bucket=8, min_seq_bucket=4,
-                                strict_compiles=True, quantization=scheme)
+                                strict_compiles=True, quantization=scheme,
+                                fuse_projections=fuse)
     engine = LLMEngine(config, params, None, model_name="tiny-q", progress=False)
     placed = engine.runner.params
-    wq = placed["layers"][0]["wq"]
+    qkv, down = ("wq", "w_down") if fuse is False else ("wqkv", "w_gate_up")
+    assert (qkv in placed["layers"][0]) and ("wk" in placed["layers"][0]) == (fuse is False)
+    wq = placed["layers"][0][qkv]
     assert isinstance(wq, QuantizedWeight) and wq.q.dtype == (np.uint8 if scheme == "q4"
                                                              else np.int8)
     assert isinstance(placed["embed"], QuantizedWeight)  # q8 blocks under every scheme
@@ -260,7 +264,7 @@ def test_engine_on_quantized_weights(scheme):
 
     _, params2 = tiny_params(seed=5, **CFG_KW)
     engine.update_params(params2)  # float weights into the quantized engine
-    assert isinstance(engine.runner.params["layers"][1]["w_down"], QuantizedWeight)
+    assert isinstance(engine.runner.params["layers"][1][down], QuantizedWeight)
     want2 = [_reference_greedy(cfg, _float_tree(_quantized_tree(params2, scheme)), p, 6)
              for p in prompts]
     assert want2 != want

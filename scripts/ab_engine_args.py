@@ -1,0 +1,63 @@
+"""Paired A/B of two engine-argument settings, one `LLM` each, in one process.
+
+Builds an `LLM` over --model (default: the Q4_1 SmolLM2 GGUF, weights kept quantized,
+16 slots) for --a and for --b (each a JSON object of `LLM` / `make_engine_config`
+keyword arguments), then runs a workload (--workload, default
+`../shared/bench/seed8.jsonl`: its prompts as chat messages, each with its own
+max_tokens capped at --max_tokens_cap, greedy, `ignore_eos`, all arriving at once) on
+each, alternating which goes first round by round (the machine's drift hits both
+alike). Prints each run's tokens/s with the load average, the a/b ratio per round and
+their median, and whether the two settings' token ids are identical.
+
+  PYTHONPATH=. .venv/bin/python scripts/ab_engine_args.py \\
+      --a='{"fuse_projections": true}' --b='{"fuse_projections": false}' --rounds=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+from jaxserve import LLM
+
+from ab_placeholders import generate_timed as run, load_workload  # scripts/: the script's dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--a", required=True, help="JSON engine arguments of setting a")
+    ap.add_argument("--b", required=True, help="JSON engine arguments of setting b")
+    ap.add_argument("--quantization", default="auto", help="auto keeps GGUF blocks; none: fp32")
+    ap.add_argument("--workload", default="../shared/bench/seed8.jsonl")
+    ap.add_argument("--max_tokens_cap", type=int, default=1 << 30)
+    ap.add_argument("--max_num_seqs", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=4)
+    a = ap.parse_args()
+    work = [(m, min(mt, a.max_tokens_cap)) for m, mt in load_workload(a.workload)]
+    llms = {}
+    for name, args in (("a", json.loads(a.a)), ("b", json.loads(a.b))):
+        kw = dict(quantization=a.quantization, max_num_seqs=a.max_num_seqs, max_model_len=2048,
+                  executable_cache_dir=None) | args
+        llms[name] = LLM(a.model, **kw)
+        run(llms[name], work)  # untimed: first calls, caches
+    rates: dict[str, list[float]] = {"a": [], "b": []}
+    ids_of: dict[str, list] = {}
+    for r in range(a.rounds):
+        for name in (("a", "b") if r % 2 == 0 else ("b", "a")):
+            dt, n, ids = run(llms[name], work)
+            ids_of.setdefault(name, ids)
+            rates[name].append(n / dt)
+            print(f"round {r} {name} {n} tokens {dt:6.2f} s {n / dt:6.1f} tok/s  "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+    ratios = [x / y for x, y in zip(rates["a"], rates["b"])]
+    print(f"a={a.a} b={a.b}: median tok/s a {statistics.median(rates['a']):.1f}, b "
+          f"{statistics.median(rates['b']):.1f}; a/b per round: "
+          + " ".join(f"{x:.3f}" for x in ratios) + f" (median {statistics.median(ratios):.3f});"
+          f" token ids identical: {ids_of['a'] == ids_of['b']}")
+
+
+if __name__ == "__main__":
+    main()
