@@ -345,8 +345,8 @@ class LLM:
         the model's raw distribution, so at temperature 1 with no filtering these equal
         the `token_logprobs` that `generate` reported for a sampled completion, up to
         the rounding of different step shapes (with quantized weights on a CPU with
-        AVX-512 VNNI, decode steps of <= 4 rows quantize activations to ~16 bits:
-        differences up to ~1e-3, notes/issue26_q4.md).
+        an integer path, `native_qmatmul.int_rows`, small steps quantize activations to
+        ~16 bits: differences up to ~1e-3, notes/issue26_q4.md).
         Prompt positions may come from the prefix cache; completion positions never do.
 
         Args:

@@ -5,12 +5,12 @@ hold), so a product costs what it costs inside a step, not what a warm-cache loo
 (`scripts/bench_qmatmul.py` times one weight again and again). Two tables, each variant
 interleaved with the others in one process, medians of --reps:
 
-  quant  the native quantized kernel's integer-dot path against its f32 panel at M rows
-         (`native_qmatmul.set_int_rows`: 64 puts every M on the integer path, 4 keeps the
-         panel above 4 rows), on SmolLM2's Q4 layer shapes. This chose q4's cut of 16
-         (notes/issue26.md). q8's cut of 4 came from the same chains over the tied Q8_0
-         head [49152, 576], run before q8 got a cut of its own (the kernel now keeps q8 at
-         <= 4 rows whatever `set_int_rows` says, so it cannot be rerun from here).
+  quant  the native quantized kernel's integer-dot path against its f32-activation
+         kernels at M rows (`native_qmatmul.set_int_rows`: 64 puts every M on the
+         integer path, 0 none: the direct path at M <= 2, the f32 panel above), on
+         SmolLM2's Q4 layer shapes, fused (q|k|v, gate|up) and not, and (--q8_head) the
+         tied Q8_0 head [49152, 576], whose integer path stops at 4 rows whatever
+         `set_int_rows` says. This chose q4's cut of 16 (notes/issue26.md).
   float  30 layers' worth of SmolLM2's fp32 matrices [K, N] (425 MB): XLA's dot against
          the native "kn" kernel serial, threaded, and as shipped
          (`native_fmatmul.set_kn_serial_bytes`). This chose `linear.FLOAT_NATIVE_MAX_ROWS`.
@@ -33,7 +33,10 @@ from jaxserve.model import linear, native_fmatmul, native_qmatmul, quant
 
 QUANT_SHAPES = {"mlp_up Q4 [1536, 576]": (1536, 576, 60),
                 "mlp_down Q4 [576, 1536]": (576, 1536, 60),
-                "q / o Q4 [576, 576]": (576, 576, 100)}  # (N, K, weights in the chain)
+                "q / o Q4 [576, 576]": (576, 576, 100),
+                "gate|up Q4 [3072, 576]": (3072, 576, 30),
+                "q|k|v Q4 [960, 576]": (960, 576, 60)}  # (N, K, weights in the chain)
+Q8_HEAD = ("tied head Q8_0 [49152, 576]", (49152, 576, 3))
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576),
                 (576, 1536)]  # (N, K): q, k, v, o, gate, up, down
 
@@ -66,22 +69,24 @@ def _time(variants: dict, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def quant_table(rows: list[int], reps: int) -> None:
+def quant_table(rows: list[int], reps: int, q8_head: bool) -> None:
     rng = np.random.default_rng(0)
     before = native_qmatmul.int_rows()
-    print("| shape | M | integer path ms | f32 panel ms | ratio |\n|---|---|---|---|---|")
+    print("| shape | M | integer path ms | f32 kernels ms | ratio |\n|---|---|---|---|---|")
+    shapes = [*QUANT_SHAPES.items(), *([Q8_HEAD] if q8_head else [])]
     try:
-        for name, (n, k, count) in QUANT_SHAPES.items():
-            ws = [jax.device_put(quant.quantize_q4(rng.standard_normal((n, k)).astype(np.float32)))
+        for name, (n, k, count) in shapes:
+            qz = quant.quantize_q8 if "Q8" in name else quant.quantize_q4
+            ws = [jax.device_put(qz(rng.standard_normal((n, k)).astype(np.float32)))
                   for _ in range(count)]
             prod = lambda a, w: linear.quantized_matmul(a, w, native=True)  # noqa: E731
             for m in rows:
                 x = jax.device_put(rng.standard_normal((m, k)).astype(np.float32))
                 g = _chain(m, prod, lambda w: k)
                 t = _time({"int": (lambda: native_qmatmul.set_int_rows(64), lambda: g(x, ws)),
-                           "panel": (lambda: native_qmatmul.set_int_rows(4), lambda: g(x, ws))},
+                           "f32": (lambda: native_qmatmul.set_int_rows(0), lambda: g(x, ws))},
                           reps)
-                i, p = t["int"] / count * 1e3, t["panel"] / count * 1e3
+                i, p = t["int"] / count * 1e3, t["f32"] / count * 1e3
                 print(f"| {name} | {m} | {i:.3f} | {p:.3f} | {p / i:.2f}x |", flush=True)
     finally:
         native_qmatmul.set_int_rows(before)
@@ -115,7 +120,8 @@ def float_table(rows: list[int], reps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", default="quant,float")
-    ap.add_argument("--quant_rows", default="4,5,8,16,32")
+    ap.add_argument("--quant_rows", default="1,2,4,8,16,32")
+    ap.add_argument("--q8_head", action="store_true", help="also the tied Q8_0 head (~30 MB)")
     ap.add_argument("--float_rows", default="1,2,3,4")
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
@@ -124,7 +130,7 @@ def main() -> None:
         raise SystemExit("the native kernels are unavailable here (no C++ compiler?)")
     tables = a.table.split(",")
     if "quant" in tables:
-        quant_table([int(r) for r in a.quant_rows.split(",")], a.reps)
+        quant_table([int(r) for r in a.quant_rows.split(",")], a.reps, a.q8_head)
     if "float" in tables:
         float_table([int(r) for r in a.float_rows.split(",")], a.reps)
 

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=5)
     a = ap.parse_args()
     if not native_qmatmul.available() or native_qmatmul.int_rows() == 0:
-        raise SystemExit("the native kernel has no integer path here (needs AVX-512 VNNI)")
+        raise SystemExit("the native kernel has no integer path here (needs AVX-512 VNNI or AVX2)")
     llm = LLM(a.model, quantization="auto", max_num_seqs=1, max_num_batched_tokens=64,
               max_model_len=1024, executable_cache_dir=None)
     rows = native_qmatmul.int_rows()

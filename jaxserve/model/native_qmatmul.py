@@ -27,12 +27,24 @@ _KERNELS = NativeKernels(_SRC, "qmatmul", {TARGETS[k]: _SYMBOLS[k] for k in TARG
 available, status = _KERNELS.available, _KERNELS.status  # build + register; cache-key part
 
 
+INT_PATHS = {0: "", 1: "avx2", 2: "avx512_vnni"}
+
+
+def int_path() -> str:
+    """Which integer path the kernel was built with for this CPU: "avx512_vnni" (vpdpbusd,
+    `native/qmatmul_int.h`), "avx2" (vpmaddwd, `native/qmatmul_int_avx2.h`) or "" (none:
+    no AVX2 + FMA + F16C, or the kernel is unavailable). Both multiply the same
+    quantization of x (`quantize_x`)."""
+    return INT_PATHS[_KERNELS.call_int64("JaxserveQMatmulIntPath")]
+
+
 def int_rows(kind: str = "q4") -> int:
     """Rows of x up to which the kernel quantizes x to two int8 digits per 32-element
     block and uses integer dot products on `kind` ("q4" or "q8") weights (0: it keeps x in
-    f32, i.e. no AVX-512 VNNI, or the kernel is unavailable). Defaults: 16 for q4, 4 for
-    q8 (the measurements are in the kernel's source). `quantize_x` gives that
-    quantization's values.
+    f32, i.e. no integer path on this CPU, or the kernel is unavailable). Defaults, from
+    their measured crossovers against the f32 kernels (the kernel's source): q4 16 and q8
+    4 on the AVX-512 VNNI path, q4 8 and q8 2 on the AVX2 one (`int_path`).
+    `quantize_x` gives that quantization's values.
 
     Raises:
       ValueError: an unknown kind.
@@ -44,9 +56,9 @@ def int_rows(kind: str = "q4") -> int:
 
 
 def set_int_rows(rows: int) -> int:
-    """Set the process-wide q4 `int_rows` (clamped to [0, 64]; q8 uses at most 4 of them;
-    0 runs the f32-activation kernels), for measurements that compare both paths in one
-    process (scripts/measure_quant_drift.py); compiled programs need no recompile.
+    """Set the process-wide q4 `int_rows` (clamped to [0, 64]; q8 uses at most 4 of them,
+    2 on the AVX2 path; 0 runs the f32-activation kernels), for measurements that compare
+    both paths in one process (scripts/measure_quant_drift.py); compiled programs need no recompile.
     Returns the value in force."""
     return _KERNELS.call_int64("JaxserveQMatmulSetIntRows", rows)
 

@@ -55,7 +55,7 @@ def test_quantize_error_within_half_a_step(kind):
     assert qw.scale.shape == (5, 64 // qw.block)
 
 
-# The native kernel's integer path (M <= native_qmatmul.int_rows(), AVX-512 VNNI) quantizes
+# The native kernel's integer path (M <= native_qmatmul.int_rows(), AVX-512 VNNI or AVX2) quantizes
 # x to two int8 digits per 32-block: against the plain product of the dequantized weights
 # its error is that quantization's, measured <= 3.7e-5 of max|y| on these shapes; the
 # bound below documents it (the f32-activation paths stay within 1e-5).
@@ -80,7 +80,7 @@ def x_path(request):
         pytest.skip("no C++ compiler")
     before = native_qmatmul.int_rows()
     if request.param == "int" and before == 0:
-        pytest.skip("no integer path on this CPU (AVX-512 VNNI)")
+        pytest.skip("no integer path on this CPU (AVX-512 VNNI or AVX2 + FMA + F16C)")
     if request.param == "f32":
         native_qmatmul.set_int_rows(0)
     yield request.param
@@ -323,17 +323,20 @@ def test_q8_0_gguf_blocks_match_transformers_logits(unroll):
 
 
 def test_int_rows_per_format():
-    """The integer path's row cut: 16 for q4 weights, at most 4 for q8 (their measured
-    crossovers, qmatmul.cc), both following `set_int_rows`; an unknown format is an error."""
-    if not native_qmatmul.available() or native_qmatmul.int_rows() == 0:
-        pytest.skip("no integer path here (no compiler or no AVX-512 VNNI)")
+    """The integer path's row cut (their measured crossovers, qmatmul.cc): q4 16 and q8 at
+    most 4 on the AVX-512 VNNI path, q4 8 and q8 at most 2 on the AVX2 one, both following
+    `set_int_rows`; an unknown format is an error."""
+    path = native_qmatmul.int_path()
+    if not path:
+        pytest.skip("no integer path here (no compiler, or no AVX-512 VNNI nor AVX2)")
+    q4, q8 = {"avx512_vnni": (16, 4), "avx2": (8, 2)}[path]
     before = native_qmatmul.int_rows()
     try:
-        assert (native_qmatmul.int_rows("q4"), native_qmatmul.int_rows("q8")) == (16, 4)
-        assert native_qmatmul.set_int_rows(2) == 2
-        assert (native_qmatmul.int_rows("q4"), native_qmatmul.int_rows("q8")) == (2, 2)
+        assert (native_qmatmul.int_rows("q4"), native_qmatmul.int_rows("q8")) == (q4, q8)
+        assert native_qmatmul.set_int_rows(1) == 1
+        assert (native_qmatmul.int_rows("q4"), native_qmatmul.int_rows("q8")) == (1, 1)
         assert native_qmatmul.set_int_rows(1000) == 64  # clamped
-        assert native_qmatmul.int_rows("q8") == 4
+        assert native_qmatmul.int_rows("q8") == q8
     finally:
         native_qmatmul.set_int_rows(before)
     with pytest.raises(ValueError, match="kind='q5'"):

@@ -6,9 +6,11 @@
 //   q4: q u8[N, K/2], scale, min f16[N, K/32]       w = scale * nib + min
 //       (byte j of a 32-block: element j in the low nibble, element j + 16 in the high one)
 //
-// Up to kIntMaxRows rows of x (decode; kIntMaxRowsQ8 for q8) with AVX-512 VNNI: x is
-// quantized once per call to two int8 digits per 32-element block and multiplied by the raw
-// weight bytes with integer dot products (the "Integer dot products" section). Otherwise up to kDirectRows rows:
+// Up to kIntMaxRows rows of x (decode; kIntMaxRowsQ8 for q8) with AVX-512 VNNI, or
+// kIntMaxRowsAvx2 / kIntMaxRowsQ8Avx2 with AVX2 alone: x is quantized once per call to two
+// int8 digits per 32-element block and multiplied by the raw weight bytes with integer dot
+// products (qmatmul_int.h: vpdpbusd; qmatmul_int_avx2.h: vpmaddwd on X = 256 hi + lo).
+// Otherwise up to kDirectRows rows:
 // 4 weight rows x 1-2 rows of x dequantized in registers (AVX2/FMA, f32 x); more rows:
 // each task dequantizes its 32 weight rows once into an f32 panel (L2) and runs 4 x 3 fp32
 // register tiles. K and block must be multiples of 32. Output rows are split into tasks of
@@ -68,9 +70,19 @@ constexpr int64_t kDirectRows = 2;  // up to this many rows of x: dequantize in 
 // head [49152, 576] runs 0.71-0.93x the panel's speed at M = 8-32, so its cut stays at 4.
 constexpr int64_t kIntMaxRows = 16;
 constexpr int64_t kIntMaxRowsQ8 = 4;
+// The AVX2 path (vpmaddwd: 16 multiply-adds an instruction, not 64) against the f32
+// kernels on an AVX2-only Zen 3, weights streamed (scripts/bench_decode_matmuls.py,
+// notes/issue26.md, eighth session): q4 1.3-2.0x at M = 1-4, ~1.1x at 8, 0.8-0.9x at 16;
+// the q8 head 1.3x at M = 1-2, 0.86x at 4.
+constexpr int64_t kIntMaxRowsAvx2 = 8;
+constexpr int64_t kIntMaxRowsQ8Avx2 = 2;
 constexpr int64_t kIntCapRows = 64;  // the most `JaxserveQMatmulSetIntRows` accepts
-// M * N * K below which one thread runs a product (JaxserveQMatmulSetSerialWork).
-constexpr int64_t kSerialWork = int64_t{1} << 21;
+// M * N * K below which one thread runs a product (JaxserveQMatmulSetSerialWork). On an
+// AVX2 Zen 3 handing a product to XLA's pool pays from ~1e5 multiply-adds on, on either
+// path: a k/v projection [192, 576] at M = 1 (1.1e5) 1.22x faster threaded, q/o
+// [576, 576] 1.26-1.60x, [128, 128] at M = 4 (6.6e4) 0.89-0.93x (notes/issue26.md, eighth
+// session; the earlier 2^21 came from an AVX-512 machine).
+constexpr int64_t kSerialWork = 100'000;
 std::atomic<int64_t> g_serial_work{kSerialWork};
 
 struct Work {
@@ -202,20 +214,46 @@ void RunPanel(const Work& w, int64_t n0, int64_t n1) {
   for (; p < n1 - n0; ++p) PanelRows<1>(w, panel.data(), p, n0);
 }
 
-#include "qmatmul_int.h"  // integer dot products (AVX-512 VNNI); needs Work
-#endif  // __AVX2__
-
-// Rows of x up to which the integer path runs (JaxserveQMatmulSetIntRows).
-#ifdef JAXSERVE_INT_DOT
-std::atomic<int64_t> g_int_rows{kIntMaxRows};
-#else
-std::atomic<int64_t> g_int_rows{0};
+#ifdef __F16C__
+// q4's offset term on the integer paths: sum over blocks of min_b * sum(x_b), x as
+// quantized (QX: either path's QuantX, with its block sums xs [M, nb]).
+template <class QX>
+inline float MinTerm(const Work& w, const QX& xq, int64_t n, int64_t row) {
+  const uint16_t* mn = w.mn + n * w.nb;
+  const float* xs = xq.xs.data() + row * xq.nb;
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= w.nb; b += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b));
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(xs + b), acc);
+  }
+  float s = HSum(acc);
+  for (; b < w.nb; ++b) s += HalfToFloat(mn[b]) * xs[b];
+  return s;
+}
 #endif
 
-// The integer path's row cut for q4 or q8 weights (q8: at most kIntMaxRowsQ8).
+#include "qmatmul_int.h"  // integer dot products (AVX-512 VNNI); needs Work
+#include "qmatmul_int_avx2.h"  // the same on AVX2 (16-bit) where there is no VNNI
+#endif  // __AVX2__
+
+// Rows of x up to which the integer path runs (JaxserveQMatmulSetIntRows), and which
+// path it is (JaxserveQMatmulIntPath: 0 none, 1 AVX2, 2 AVX-512 VNNI).
+#if defined(JAXSERVE_INT_DOT_AVX2)
+std::atomic<int64_t> g_int_rows{kIntMaxRowsAvx2};
+constexpr int64_t kQ8Cap = kIntMaxRowsQ8Avx2, kIntPath = 1;
+#elif defined(JAXSERVE_INT_DOT)
+std::atomic<int64_t> g_int_rows{kIntMaxRows};
+constexpr int64_t kQ8Cap = kIntMaxRowsQ8, kIntPath = 2;
+#else
+std::atomic<int64_t> g_int_rows{0};
+constexpr int64_t kQ8Cap = 0, kIntPath = 0;
+#endif
+
+// The integer path's row cut for q4 or q8 weights (q8: at most kQ8Cap).
 int64_t IntRows(bool q4) {
   const int64_t rows = g_int_rows.load(std::memory_order_relaxed);
-  return q4 ? rows : std::min(rows, kIntMaxRowsQ8);
+  return q4 ? rows : std::min(rows, kQ8Cap);
 }
 
 #ifdef __AVX2__
@@ -346,9 +384,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmulQ4, Q4Impl,
                                   .Attr<int64_t>("block"));
 
 // Rows of x up to which x is quantized to two int8 digits for q4 weights (0: f32
-// activations); q8 weights: at most kIntMaxRowsQ8 of them. Default kIntMaxRows, 0 without
-// AVX-512 VNNI; settable up to kIntCapRows (measurements compare both paths).
+// activations); q8 weights: at most kQ8Cap of them. Default kIntMaxRows with AVX-512 VNNI,
+// kIntMaxRowsAvx2 with AVX2 alone, 0 without; settable up to kIntCapRows (measurements
+// compare both paths).
 extern "C" int64_t JaxserveQMatmulIntRows() { return g_int_rows.load(); }
+
+extern "C" int64_t JaxserveQMatmulIntPath() { return kIntPath; }
 
 extern "C" int64_t JaxserveQMatmulIntRowsQ8() { return IntRows(false); }
 

@@ -224,21 +224,6 @@ inline __m512 QuadDot(const Work& w, const QuantX& xq, int64_t n, int64_t c, int
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc);
 }
 
-// q4's offset term: sum over blocks of min_b * sum(x_b) (x quantized).
-inline float MinTerm(const Work& w, const QuantX& xq, int64_t n, int64_t row) {
-  const uint16_t* mn = w.mn + n * w.nb;
-  const float* xs = xq.xs.data() + row * xq.nb;
-  __m512 acc = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 16 <= w.nb; b += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b));
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(h), _mm512_loadu_ps(xs + b), acc);
-  }
-  float s = _mm512_reduce_add_ps(acc);
-  for (; b < w.nb; ++b) s += _cvtsh_ss(mn[b]) * xs[b];
-  return s;
-}
-
 // y[r0:r0+RT, n0:n0+NT] over the whole K with the integer dot products.
 template <bool Q4, int NT, int RT>
 void IntTile(const Work& w, const QuantX& xq, int64_t n0, int64_t r0) {
