@@ -135,8 +135,8 @@ inline __m512 PairScales(const Work& w, int64_t n, int64_t b) {
     std::memcpy(&bits, w.scale + n * w.nb + b, sizeof bits);
     d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
   } else {
-    d2 = _mm_setr_ps(_cvtsh_ss(w.scale[n * w.nb + b * 32 / w.block]),
-                     _cvtsh_ss(w.scale[n * w.nb + (b + 1) * 32 / w.block]), 0.f, 0.f);
+    d2 = _mm_setr_ps(_cvtsh_ss(w.scale[n * w.nb + ScaleIdx(w, b)]),
+                     _cvtsh_ss(w.scale[n * w.nb + ScaleIdx(w, b + 1)]), 0.f, 0.f);
   }
   return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d2));
 }
@@ -200,7 +200,7 @@ inline float TailDot(const Work& w, const QuantX& xq, int64_t n, int64_t row) {
   t = _mm256_dpbusd_epi32(t, wq, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
   int32_t total = HSumI(t);
   if constexpr (!Q4) total -= xq.corr[lane0];
-  const float dw = _cvtsh_ss(w.scale[n * w.nb + b * 32 / w.block]);
+  const float dw = _cvtsh_ss(w.scale[n * w.nb + ScaleIdx(w, b)]);
   return dw * xq.dl[lane0] * static_cast<float>(total);
 }
 

@@ -114,7 +114,7 @@ void IntTile(const Work& w, const QuantX& xq, int64_t n0, int64_t r0) {
     for (int i = 0; i < NT; ++i) {
       __m256i wa, wc;
       Weights16<Q4>(w, n0 + i, b, wa, wc);
-      const __m256 dw = _mm256_set1_ps(_cvtsh_ss(w.scale[(n0 + i) * w.nb + b * 32 / w.block]));
+      const __m256 dw = _mm256_set1_ps(_cvtsh_ss(w.scale[(n0 + i) * w.nb + ScaleIdx(w, b)]));
       for (int r = 0; r < RT; ++r) {
         const __m256i* xp = reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + r) * xq.K + b * 32);
         const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(wa, _mm256_loadu_si256(xp)),
