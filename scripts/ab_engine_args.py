@@ -14,7 +14,7 @@ runs; a knob not named keeps its default.
 
   PYTHONPATH=. .venv/bin/python scripts/ab_engine_args.py \\
       --a='{"fuse_projections": true}' --b='{"fuse_projections": false}' --rounds=4
-  PYTHONPATH=.:scripts .venv/bin/python scripts/ab_engine_args.py --a='{}' --b='{}' \
+  PYTHONPATH=.:scripts .venv/bin/python scripts/ab_engine_args.py --a='{}' --b='{}' \\
       --b_native='{"int_rows": 0}'
 """
 
@@ -51,7 +51,8 @@ def main() -> None:
 
     def run(llm, work, name):
         for knob, value in knobs[name].items():
-            assert setters[knob](value) == value, (name, knob, value)
+            if setters[knob](value) != value:
+                raise SystemExit(f"{name}: {knob}={value} is not settable here")
         return generate_timed(llm, work)
 
     work = [(m, min(mt, a.max_tokens_cap)) for m, mt in load_workload(a.workload)]

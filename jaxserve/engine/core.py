@@ -112,6 +112,7 @@ class LLMEngine(EngineControl):
         self.async_scheduling = self.config.async_scheduling  # may be flipped between steps
         # (plan, PendingStep) of the step dispatched and not yet fetched (async scheduling)
         self._inflight: tuple[Any, PendingStep] | None = None
+        self._ahead_raised = False  # planning ahead raised: apply the step in flight alone
         self.pauser = Pauser(self.scheduler, self.outputs,
                              lambda: self._step(overlap=False))  # issue 28
         self.provenance = WeightProvenance()  # issue 28: token_weight_versions
@@ -255,8 +256,9 @@ class LLMEngine(EngineControl):
         if self._inflight is None and not self._dispatch(outs):
             return outs
         (out, handle), self._inflight = self._inflight, None
-        if overlap is None:
-            overlap = self.async_scheduling
+        if overlap is None:  # after planning ahead raised, the step in flight is applied
+            overlap = self.async_scheduling and not self._ahead_raised  # first, serially
+        self._ahead_raised = False
         # Step n+1 planned and dispatched now, its decode rows reading step n's tokens on
         # the device. If its dispatch fails, the plan is taken back once step n is applied
         # and planned again the usual way (a failure of its own then counts).
@@ -265,7 +267,7 @@ class LLMEngine(EngineControl):
             try:
                 planned, err = self._launch(ahead=True)
             except BaseException:  # planning raised: step n stays in flight, applied next
-                self._inflight = (out, handle)  # call (its plan is the one pending)
+                self._inflight, self._ahead_raised = (out, handle), True  # call, serially
                 raise
             ahead_failed = None if err is None else (planned, err)
         self.last_step_tokens = out.num_scheduled_tokens

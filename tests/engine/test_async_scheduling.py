@@ -5,15 +5,12 @@ With it on, `step()` plans and dispatches step n+1 as soon as step n's tokens ar
 then processes step n's outputs while n+1 runs; a stop string found then ends its request
 after its next row was dispatched (that row is dropped), and a pause, a sleep or a weight
 swap drops the step in flight (`Scheduler.unschedule`). The reference is the serial loop
-(plan, run, fetch, process, one after another), run on the same engine class with the
-flag off.
-
+(plan, run, fetch, process, one after another), the same engine class with the flag off.
 Over the FakeRunner (hand-checkable tokens keyed on request and position): random
-interleavings of add / abort / step with stop strings, stop ids, min_tokens, n>1,
-seeds, prefix caching and rows that fail alone; a whole step that fails; structured
-output. Over the real tiny model: greedy and seeded sampling with stop strings, n=2 and
-logprobs; a weight update between steps under "keep" and "abort".
-"""
+interleavings of add / abort / step with stop strings, stop ids, min_tokens, n>1, seeds,
+prefix caching and rows that fail alone; a whole step that fails; structured output. Over
+the real tiny model: greedy and seeded sampling with stop strings, n=2 and logprobs; a
+weight update between steps under "keep" and "abort"."""
 
 from __future__ import annotations
 
@@ -22,6 +19,7 @@ import re
 import zlib
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -302,10 +300,10 @@ def test_a_plan_made_ahead_that_fails_to_dispatch_is_planned_again():
 
 
 def test_planning_ahead_that_raises_keeps_the_step_in_flight():
-    """`schedule(ahead=True)` raising (a scheduler bug) propagates out of `step()` with the
-    step in flight kept: the caller (the server's loop) aborts the requests, the next
-    `step()` applies that step, no KV block is held, and the engine serves the next
-    request with the output a fresh engine gives."""
+    """`schedule(ahead=True)` raising (a scheduler bug, every time) propagates out of
+    `step()` with the step in flight kept; the next `step()` applies that step alone (never
+    wedged); after aborts no KV block is held and the next request gets a fresh engine's
+    output."""
     eng = fake_engine(True, prefix=False)
     sp = SamplingParams(max_tokens=6, temperature=0.0)
     for i, p in enumerate(PROMPTS[:3]):
@@ -313,18 +311,20 @@ def test_planning_ahead_that_raises_keeps_the_step_in_flight():
     schedule, raised = eng.scheduler.schedule, []
 
     def flaky(*a, ahead=False, **kw):
-        if ahead and not raised and eng.scheduler.get_request("r0").num_output_tokens >= 2:
+        if ahead and (raised or eng.scheduler.get_request("r0").num_output_tokens >= 2):
             raised.append(1)
             raise RuntimeError("scheduler bug")
         return schedule(*a, ahead=ahead, **kw)
 
     eng.scheduler.schedule = flaky
-    try:
-        while not raised:
+    with pytest.raises(RuntimeError, match="scheduler bug"):
+        for _ in range(50):
             eng.step()
-    except RuntimeError as e:
-        assert "scheduler bug" in str(e)
     assert raised and eng._inflight is not None  # the step in flight is not lost
+    before = eng.scheduler.get_request("r0").num_output_tokens
+    eng.step()  # applied alone (no second try at planning ahead first): never wedged
+    assert eng._inflight is None and eng.scheduler.get_request("r0").num_output_tokens > before
+    eng.scheduler.schedule = schedule
     for i in range(3):
         eng.abort(f"r{i}")
     while eng.has_unfinished_requests() or eng._inflight is not None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.model import fused, linear, quant
+from jaxserve.model import fused, linear, native_qmatmul, quant
 from jaxserve.model.quant import QuantizedWeight
 
 
@@ -28,6 +28,8 @@ def test_fused_product_is_the_parts_products_side_by_side(kind, native, m):
     the native CPU kernel (rows of whole blocks: each output column reads the same blocks
     and sums them in the same order), within f32 rounding on XLA's dot (its reduction
     order may follow the shape); the fused blocks dequantize to the parts stacked."""
+    if native and not native_qmatmul.available():
+        pytest.skip("no C++ compiler for the native kernel")
     parts = _parts(kind)
     w = fused.concat_outputs(parts, key="wqkv")
     assert isinstance(w, QuantizedWeight) and w.shape == (128, 96)

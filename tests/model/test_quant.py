@@ -73,9 +73,9 @@ def _quantize_x(x: np.ndarray, native: bool, kind: str = "q4") -> np.ndarray:
 
 @pytest.fixture(params=["int", "f32"], ids=["int_x", "f32_x"])
 def x_path(request):
-    """The native kernel's activation path for M <= `int_rows` (16 for q4, 4 for q8): the
-    integer one (where the CPU has it) or the f32 one (`set_int_rows(0)`); restored
-    afterwards."""
+    """The native kernel's activation path for M <= `int_rows` (q4 16 / q8 4 with VNNI,
+    8 / 2 with AVX2): the integer one (where the CPU has it) or the f32 one
+    (`set_int_rows(0)`); restored afterwards."""
     if not native_qmatmul.available():
         pytest.skip("no C++ compiler")
     before = native_qmatmul.int_rows()
@@ -320,6 +320,21 @@ def test_q8_0_gguf_blocks_match_transformers_logits(unroll):
     for j in range(3):
         got = reference_logits(cfg, params, gold[f"ids_{j}"])
         assert np.abs(got - gold[f"logits_{j}"]).max() < 1e-4, j
+
+
+def test_integer_path_is_built_where_the_cpu_has_it():
+    """A kernel built on a CPU with AVX-512 VNNI (+BW, VL, F16C) or AVX2 + FMA + F16C has an
+    integer path (so the integer cases above cannot all skip where they should run)."""
+    if not native_qmatmul.available():
+        pytest.skip("no C++ compiler")
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+                    .split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo")
+    want = ("avx512_vnni" if {"avx512_vnni", "avx512bw", "avx512vl", "f16c"} <= flags else
+            "avx2" if {"avx2", "fma", "f16c"} <= flags else "")
+    assert native_qmatmul.int_path() == want
 
 
 def test_int_rows_per_format():

@@ -111,9 +111,18 @@ struct Work {
 // The scale index of 32-element sub-block sb. No division where block is 32 (every q4 and
 // Q8_0 weight): a 64-bit idiv per block cost 2-14% of a product (1.05x median over
 // SmolLM2's fused Q4 shapes and the Q8_0 head at M = 1-16, one process, eighth session).
-inline int64_t ScaleIdx(const Work& w, int64_t sb) { return w.sub == 1 ? sb : sb / w.sub; }
+inline int64_t ScaleIdx(const Work& w, int64_t sb) {
+  return w.sub == 1 ? sb : w.nb == 1 ? 0 : sb / w.sub;  // nb == 1: one scale per row (int8)
+}
 
 #ifdef __AVX2__
+inline int32_t HSumI(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
 inline float HSum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -337,10 +346,13 @@ ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const v
   }
 #endif
   // Small products run on the calling thread: handing tasks to the pool costs more
-  // than it saves below ~kSerialWork multiply-adds; never more threads than cores.
+  // than it saves below ~kSerialWork multiply-adds, so each helper gets at least that
+  // much work (on a many-core host a small product wakes few threads); never more
+  // threads than cores.
   static const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t helpers = M * N * K < g_serial_work.load(std::memory_order_relaxed) ? 0 :
-      std::min<int64_t>({pool.num_threads(), cores - 1, w->n_tasks - 1});
+  const int64_t serial = std::max<int64_t>(1, g_serial_work.load(std::memory_order_relaxed));
+  const int64_t helpers = M * N * K < serial ? 0 :
+      std::min<int64_t>({pool.num_threads(), cores - 1, w->n_tasks - 1, M * N * K / serial});
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([w]() { w->Drain(); });
   w->Drain();
   while (w->done.load(std::memory_order_acquire) < w->n_tasks) std::this_thread::yield();

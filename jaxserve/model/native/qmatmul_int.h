@@ -181,13 +181,6 @@ inline __m512i PairDot(__m512i wq, const int8_t* xp, const int32_t* corr) {
   return t;
 }
 
-inline int32_t HSumI(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
-
 // The odd last block of weight row n against x row `row` (256-bit, natural order).
 template <bool Q4>
 inline float TailDot(const Work& w, const QuantX& xq, int64_t n, int64_t row) {

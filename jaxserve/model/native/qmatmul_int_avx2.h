@@ -12,8 +12,9 @@
 // reference is `native_qmatmul.quantize_x`), held as one int16 per element,
 // X = 256 * hi + lo (|X| <= 256 * 127 + 127 = 32639), in natural order. Per 32-element
 // block the exact integer I = <w, X> = 256 * <w, hi> + <w, lo> comes from two vpmaddwd
-// (16-bit weights x X, pairs summed into eight int32 lanes; |w * X| * 2 < 2^24, no
-// overflow), and the block adds dw * d / 256 * I, as on the VNNI path:
+// (16-bit weights x X, pairs summed into eight int32 lanes; a lane sums four products,
+// |sum| <= 4 * 128 * 32639 < 2^24, so it converts to f32 exactly), and the block adds
+// dw * d / 256 * I, as on the VNNI path:
 //   q4: nibbles 0..15 widened to int16; the min term adds min_b * sum(x_b);
 //   q8: signed weights widened to int16 (no offset to remove).
 // llama.cpp's AVX2 vec_dot kernels multiply u8 x s8 (vpmaddubsw) against x quantized to
@@ -25,13 +26,6 @@ struct QuantX {
   std::vector<float> dl;   // [M, nb]: d / 256 of the block
   std::vector<float> xs;   // [M, nb]: d * (sum hi + sum lo / 256), the block's sum
 };
-
-inline int32_t HSumI8(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
 
 inline float HMax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -79,7 +73,7 @@ bool QuantizeX(const float* x, int64_t M, int64_t K, bool /*quads*/, QuantX& o) 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16),
                           _mm256_permute4x64_epi64(_mm256_packs_epi32(q32[2], q32[3]), 0xd8));
       o.dl[r * o.nb + b] = d / 256.f;
-      o.xs[r * o.nb + b] = d * (static_cast<float>(HSumI8(sh)) + static_cast<float>(HSumI8(sl)) / 256.f);
+      o.xs[r * o.nb + b] = d * (static_cast<float>(HSumI(sh)) + static_cast<float>(HSumI(sl)) / 256.f);
     }
   }
   return true;
@@ -132,8 +126,8 @@ void IntTile(const Work& w, const QuantX& xq, int64_t n0, int64_t r0) {
   }
 }
 
-// Tiles: 4 weight rows x 2 rows of x up to 2 rows (each weight block widened once for
-// both), 2 x 4 from 4 rows on (widened once for four: fewer widenings per product).
+// Tiles: 4 weight rows x 2 (and 1) rows of x up to 3 rows (each weight block widened once
+// for both), 2 x 4 from 4 rows on (widened once for four: fewer widenings per product).
 template <bool Q4>
 void RunInt(const Work& w, int64_t n0, int64_t n1) {
   const QuantX& xq = *static_cast<const QuantX*>(w.xq);
