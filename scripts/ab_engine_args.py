@@ -72,8 +72,9 @@ def main() -> None:
             print(f"round {r} {name} {n} tokens {dt:6.2f} s {n / dt:6.1f} tok/s  "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
     ratios = [x / y for x, y in zip(rates["a"], rates["b"])]
-    print(f"a={a.a} {knobs['a']} b={a.b} {knobs['b']}: median tok/s a {statistics.median(rates['a']):.1f}, b "
-          f"{statistics.median(rates['b']):.1f}; a/b per round: "
+    print(f"a={a.a} {knobs['a']} b={a.b} {knobs['b']}: median tok/s a "
+          f"{statistics.median(rates['a']):.1f}, b {statistics.median(rates['b']):.1f}; "
+          "a/b per round: "
           + " ".join(f"{x:.3f}" for x in ratios) + f" (median {statistics.median(ratios):.3f});"
           f" token ids identical: {ids_of['a'] == ids_of['b']}")
 
