@@ -41,10 +41,12 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import (AbstractMesh, Mesh, NamedSharding, PartitionSpec as P,
+                          SingleDeviceSharding)
 
 from jaxserve.config import ModelConfig
 from jaxserve.attention.common import AttentionBackend
+from jaxserve.distributed.host_to_device import copy_leaves_to_device
 
 DP_AXIS, TP_AXIS = "dp", "tp"
 
@@ -335,12 +337,11 @@ class TensorParallel:
         return dev
 
     def _put_batch(self, host: Any) -> Any:
-        if self.mesh is None:
-            return jax.device_put(host)
-        if jax.process_count() == 1:
-            return jax.device_put(host, self.replicated)
-        # Multi-controller: every process holds the same host batch (the leader's broadcast).
-        return jax.tree.map(lambda x: self.put(x, self.replicated), host)
+        if jax.process_count() > 1:  # every process holds the leader's broadcast batch
+            return jax.tree.map(lambda x: self.put(x, self.replicated), host)
+        target = SingleDeviceSharding(self.devices[0]) if self.mesh is None else self.replicated
+        out = copy_leaves_to_device(host, target)
+        return jax.device_put(host, self.replicated) if out is None else out
 
     def fetch(self, tree: Any) -> Any:
         """Replicated device outputs -> NumPy, read from this process's first shard."""

@@ -79,41 +79,68 @@ bool QuantizeX(const float* x, int64_t M, int64_t K, bool /*quads*/, QuantX& o) 
   return true;
 }
 
-// Weight row n's 32-element block b as int16: elements 0..15 in a, 16..31 in c.
-template <bool Q4>
-inline void Weights16(const Work& w, int64_t n, int64_t b, __m256i& a, __m256i& c) {
-  if constexpr (Q4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-        static_cast<const uint8_t*>(w.q) + n * (w.K / 2) + b * 16));
-    const __m128i m = _mm_set1_epi8(15);
-    a = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m));
-    c = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m));
-  } else {
-    const int8_t* p = static_cast<const int8_t*>(w.q) + n * w.K + b * 32;
-    a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    c = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+// Each (weight row i, x row r) pair's block factors dw_ib * d_rb / 256, made once per tile
+// (eight blocks a vector where the scales are one per block) into `f` [NT][RT][nb]: the
+// block loop then broadcasts one float per product instead of converting an f16 scale
+// and multiplying (the same f32 product, so the same result).
+template <int NT, int RT>
+void TileFactors(const Work& w, const QuantX& xq, int64_t n0, int64_t r0, float* f) {
+  const int64_t nb = xq.nb;
+  for (int i = 0; i < NT; ++i) {
+    const uint16_t* sc = w.scale + (n0 + i) * w.nb;
+    for (int r = 0; r < RT; ++r) {
+      const float* dl = xq.dl.data() + (r0 + r) * nb;
+      float* out = f + (i * RT + r) * nb;
+      int64_t b = 0;
+      if (w.sub == 1) {
+        for (; b + 8 <= nb; b += 8) {
+          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b));
+          _mm256_storeu_ps(out + b, _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(dl + b)));
+        }
+      }
+      for (; b < nb; ++b) out[b] = _cvtsh_ss(sc[ScaleIdx(w, b)]) * dl[b];
+    }
   }
 }
 
 // y[r0:r0+RT, n0:n0+NT] over the whole K: each weight block is widened once and used by
-// RT rows of x (NT * RT accumulators in registers).
+// RT rows of x (NT * RT accumulators in registers); row pointers and the block factors
+// (`TileFactors`) are set up before the block loop, so the loop is loads, widening,
+// vpmaddwd and one fma per product.
 template <bool Q4, int NT, int RT>
 void IntTile(const Work& w, const QuantX& xq, int64_t n0, int64_t r0) {
+  const int64_t nb = xq.nb;
+  thread_local std::vector<float> fbuf;
+  if (static_cast<int64_t>(fbuf.size()) < NT * RT * nb) fbuf.resize(NT * RT * nb);
+  float* f = fbuf.data();
+  TileFactors<NT, RT>(w, xq, n0, r0, f);
+  const int64_t row_bytes = Q4 ? w.K / 2 : w.K;
+  const uint8_t* wq[NT];
+  for (int i = 0; i < NT; ++i) wq[i] = static_cast<const uint8_t*>(w.q) + (n0 + i) * row_bytes;
+  const int16_t* xr[RT];
+  for (int r = 0; r < RT; ++r) xr[r] = xq.q.data() + (r0 + r) * xq.K;
   __m256 acc[NT][RT];
   for (int i = 0; i < NT; ++i)
     for (int r = 0; r < RT; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < xq.nb; ++b) {
-    __m256 dl[RT];
-    for (int r = 0; r < RT; ++r) dl[r] = _mm256_broadcast_ss(xq.dl.data() + (r0 + r) * xq.nb + b);
+  const __m128i m15 = _mm_set1_epi8(15);
+  for (int64_t b = 0; b < nb; ++b) {
     for (int i = 0; i < NT; ++i) {
-      __m256i wa, wc;
-      Weights16<Q4>(w, n0 + i, b, wa, wc);
-      const __m256 dw = _mm256_set1_ps(_cvtsh_ss(w.scale[(n0 + i) * w.nb + ScaleIdx(w, b)]));
+      __m256i wa, wc;  // the block as int16: elements 0..15, 16..31
+      if constexpr (Q4) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq[i] + b * 16));
+        wa = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m15));
+        wc = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m15));
+      } else {
+        const __m128i* p = reinterpret_cast<const __m128i*>(wq[i] + b * 32);
+        wa = _mm256_cvtepi8_epi16(_mm_loadu_si128(p));
+        wc = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));
+      }
       for (int r = 0; r < RT; ++r) {
-        const __m256i* xp = reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + r) * xq.K + b * 32);
+        const __m256i* xp = reinterpret_cast<const __m256i*>(xr[r] + b * 32);
         const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(wa, _mm256_loadu_si256(xp)),
                                            _mm256_madd_epi16(wc, _mm256_loadu_si256(xp + 1)));
-        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, dl[r]), acc[i][r]);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
+                                    _mm256_broadcast_ss(f + (i * RT + r) * nb + b), acc[i][r]);
       }
     }
   }
