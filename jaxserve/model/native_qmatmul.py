@@ -43,7 +43,7 @@ def int_rows(kind: str = "q4") -> int:
     block and uses integer dot products on `kind` ("q4" or "q8") weights (0: it keeps x in
     f32, i.e. no integer path on this CPU, or the kernel is unavailable). Defaults, from
     their measured crossovers against the f32 kernels (the kernel's source): q4 16 and q8
-    4 on the AVX-512 VNNI path, q4 8 and q8 2 on the AVX2 one (`int_path`).
+    4 on the AVX-512 VNNI path, q4 and q8 8 on the AVX2 one (`int_path`).
     `quantize_x` gives that quantization's values.
 
     Raises:
@@ -57,7 +57,7 @@ def int_rows(kind: str = "q4") -> int:
 
 def set_int_rows(rows: int) -> int:
     """Set the process-wide q4 `int_rows` (clamped to [0, 64]; q8 uses at most 4 of them,
-    2 on the AVX2 path; 0 runs the f32-activation kernels), for measurements that compare
+    8 on the AVX2 path; 0 runs the f32-activation kernels), for measurements that compare
     both paths in one process (scripts/measure_quant_drift.py); compiled programs need no recompile.
     Returns the value in force."""
     return _KERNELS.call_int64("JaxserveQMatmulSetIntRows", rows)

@@ -74,7 +74,7 @@ def _quantize_x(x: np.ndarray, native: bool, kind: str = "q4") -> np.ndarray:
 @pytest.fixture(params=["int", "f32"], ids=["int_x", "f32_x"])
 def x_path(request):
     """The native kernel's activation path for M <= `int_rows` (q4 16 / q8 4 with VNNI,
-    8 / 2 with AVX2): the integer one (where the CPU has it) or the f32 one
+    8 / 8 with AVX2): the integer one (where the CPU has it) or the f32 one
     (`set_int_rows(0)`); restored afterwards."""
     if not native_qmatmul.available():
         pytest.skip("no C++ compiler")
@@ -301,9 +301,12 @@ def test_a_float_gguf_loads_as_floats_under_auto():
 
 
 @pytest.mark.parametrize("unroll", [False, True])
-def test_q8_0_gguf_blocks_match_transformers_logits(unroll):
+def test_q8_0_gguf_blocks_match_transformers_logits(unroll, x_path):
     """The tiny Q8_0 GGUF fixture with its blocks kept (stacked under the scan, or one
-    leaf per layer) gives transformers' logits of the same file (tests/fixtures/tiny_gguf)."""
+    leaf per layer) gives transformers' logits of the same file (tests/fixtures/tiny_gguf):
+    within 1e-4 with the activations in f32; within 1e-3 where the kernel's integer path
+    quantizes them (prompts of up to `int_rows("q8")` tokens: every layer's products
+    carry that quantization's error, up to X_QUANT_REL_ERR each; 4.3e-4 measured here)."""
     from pathlib import Path
 
     from jaxserve.checkpoint import load_model
@@ -318,8 +321,10 @@ def test_q8_0_gguf_blocks_match_transformers_logits(unroll):
     assert isinstance(wq, QuantizedWeight)
     gold = np.load(tiny / "logits_q8_0.npz")
     for j in range(3):
-        got = reference_logits(cfg, params, gold[f"ids_{j}"])
-        assert np.abs(got - gold[f"logits_{j}"]).max() < 1e-4, j
+        ids = gold[f"ids_{j}"]
+        got = reference_logits(cfg, params, ids)
+        quantized_x = x_path == "int" and len(ids) <= native_qmatmul.int_rows("q8")
+        assert np.abs(got - gold[f"logits_{j}"]).max() < (1e-3 if quantized_x else 1e-4), j
 
 
 def test_integer_path_is_built_where_the_cpu_has_it():
@@ -339,12 +344,12 @@ def test_integer_path_is_built_where_the_cpu_has_it():
 
 def test_int_rows_per_format():
     """The integer path's row cut (their measured crossovers, qmatmul.cc): q4 16 and q8 at
-    most 4 on the AVX-512 VNNI path, q4 8 and q8 at most 2 on the AVX2 one, both following
+    most 4 on the AVX-512 VNNI path, q4 and q8 8 on the AVX2 one, both following
     `set_int_rows`; an unknown format is an error."""
     path = native_qmatmul.int_path()
     if not path:
         pytest.skip("no integer path here (no compiler, or no AVX-512 VNNI nor AVX2)")
-    q4, q8 = {"avx512_vnni": (16, 4), "avx2": (8, 2)}[path]
+    q4, q8 = {"avx512_vnni": (16, 4), "avx2": (8, 8)}[path]
     before = native_qmatmul.int_rows()
     try:
         assert (native_qmatmul.int_rows("q4"), native_qmatmul.int_rows("q8")) == (q4, q8)

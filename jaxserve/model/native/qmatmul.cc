@@ -73,9 +73,11 @@ constexpr int64_t kIntMaxRowsQ8 = 4;
 // The AVX2 path (vpmaddwd: 16 multiply-adds an instruction, not 64) against the f32
 // kernels on an AVX2-only Zen 3, weights streamed (scripts/bench_decode_matmuls.py,
 // notes/issue26.md, eighth session): q4 1.3-2.0x at M = 1-4, ~1.1x at 8, 0.8-0.9x at 16;
-// the q8 head 1.3x at M = 1-2, 0.86x at 4.
+// the q8 head 1.3x at M = 1-2, 0.86x at 4. With the ninth session's tile (factors set up
+// before the block loop, the next tile's rows prefetched) the q8 head runs 1.3-1.8x the
+// f32 kernels' speed at M = 1-8, 1.00x at 12 and 0.94x at 16; q4 still 0.83-0.93x at 12-16.
 constexpr int64_t kIntMaxRowsAvx2 = 8;
-constexpr int64_t kIntMaxRowsQ8Avx2 = 2;
+constexpr int64_t kIntMaxRowsQ8Avx2 = 8;
 constexpr int64_t kIntCapRows = 64;  // the most `JaxserveQMatmulSetIntRows` accepts
 // M * N * K below which one thread runs a product (JaxserveQMatmulSetSerialWork). On an
 // AVX2 Zen 3 handing a product to XLA's pool pays from ~1e5 multiply-adds on, on either

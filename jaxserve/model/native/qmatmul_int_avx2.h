@@ -123,15 +123,26 @@ void IntTile(const Work& w, const QuantX& xq, int64_t n0, int64_t r0) {
   for (int i = 0; i < NT; ++i)
     for (int r = 0; r < RT; ++r) acc[i][r] = _mm256_setzero_ps();
   const __m128i m15 = _mm_set1_epi8(15);
+  // The next tile's weight rows, a 64-byte line per row every line's worth of blocks:
+  // 1.25-1.45x on the Q8_0 head and ~1.3x on mlp_down [576, 1536] at M = 1-2, 1.0-1.07x
+  // on the other SmolLM2 shapes (streamed chains, this AVX2 CPU). A prefetch past the
+  // weights' end is a hint the CPU drops, never a fault.
+  constexpr int64_t kBlockBytes = Q4 ? 16 : 32, kLineBlocks = 64 / kBlockBytes;
+  const int64_t ahead = NT * row_bytes;
   for (int64_t b = 0; b < nb; ++b) {
+    if (b % kLineBlocks == 0) {
+      for (int i = 0; i < NT; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(wq[i] + ahead + b * kBlockBytes), _MM_HINT_T0);
+      }
+    }
     for (int i = 0; i < NT; ++i) {
       __m256i wa, wc;  // the block as int16: elements 0..15, 16..31
       if constexpr (Q4) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq[i] + b * 16));
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq[i] + b * kBlockBytes));
         wa = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m15));
         wc = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m15));
       } else {
-        const __m128i* p = reinterpret_cast<const __m128i*>(wq[i] + b * 32);
+        const __m128i* p = reinterpret_cast<const __m128i*>(wq[i] + b * kBlockBytes);
         wa = _mm256_cvtepi8_epi16(_mm_loadu_si128(p));
         wc = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));
       }
