@@ -9,7 +9,7 @@ interleaved with the others in one process, medians of --reps:
          kernels at M rows (`native_qmatmul.set_int_rows`: 64 puts every M on the
          integer path, 0 none: the direct path at M <= 2, the f32 panel above), on
          SmolLM2's Q4 layer shapes, fused (q|k|v, gate|up) and not, and (--q8_head) the
-         tied Q8_0 head [49152, 576], whose integer path stops at 4 rows (VNNI) or 2
+         tied Q8_0 head [49152, 576], whose integer path stops at 4 rows (VNNI) or 8
          (AVX2) whatever `set_int_rows` says: past that both columns are f32. This chose
          the q4 cuts, 16 on VNNI and 8 on AVX2 (notes/issue26.md).
   float  30 layers' worth of SmolLM2's fp32 matrices [K, N] (425 MB): XLA's dot against

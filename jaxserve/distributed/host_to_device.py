@@ -29,12 +29,18 @@ def copy_leaves_to_device(host: Any, sharding: Any) -> Any | None:
     (`shard_args`, the C++ loop under `jax.device_put`), jax.Array leaves kept as they
     are; None where that path does not apply (no such jaxlib function, a leaf of another
     type or of a 64-bit dtype, which `jax.device_put` would canonicalize, a jax.Array
-    leaf placed elsewhere, or a default device set in JAX's config). Each NumPy leaf is copied (never aliased), so the host
-    may reuse its arrays at once.
+    leaf placed elsewhere, or a default device set in JAX's config).
+
+    The arrays are committed to `sharding` (`jax.device_put(x)` without a target gives
+    uncommitted ones on the default device). Each leaf is first copied on the host: on CPU
+    jaxlib keeps a 64-byte-aligned NumPy array as the device buffer even under its
+    ALWAYS_COPY semantics (as `jax.device_put` does), so without the copy a host that
+    reused its arrays would change a step in flight; with it the host may reuse them at
+    once (tests/distributed/test_host_to_device.py).
 
     `jax.device_put` on a step's ~20-27 small leaves costs ~30 us a leaf of Python here;
-    this path ~4 (issue 24: 0.76-0.81 ms -> ~0.1 ms for 22 leaves, one process, this
-    CPU). Same values, dtypes and shapes as `jax.device_put` (tests/distributed)."""
+    this path ~8 with the host copies (issue 24: 0.83-0.91 ms -> 0.18 ms for a one-row
+    step's 27 leaves, 22 of them NumPy, one process, this CPU)."""
     if _SHARD_ARGS is None or jax.config.jax_default_device is not None:
         return None
     leaves, treedef = jax.tree.flatten(host)
@@ -48,7 +54,7 @@ def copy_leaves_to_device(host: Any, sharding: Any) -> Any | None:
     out = list(leaves)
     if n:
         placed = _SHARD_ARGS([sharding] * n, [None] * n, [_ALWAYS_COPY] * n,
-                             [leaves[i] for i in idx], fallback=None)
+                             [np.array(leaves[i], copy=True) for i in idx], fallback=None)
         for i, x in zip(idx, placed):
             out[i] = x
     return jax.tree.unflatten(treedef, out)

@@ -317,7 +317,8 @@ class TensorParallel:
         return out
 
     def put_batch(self, host: Any) -> Any:
-        """A step's host arrays on every device of the mesh (replicated): ONE device_put.
+        """A step's host arrays on every device of the mesh (replicated; without a mesh on the
+        default device, as `place_params` puts the weights) in one call (`host_to_device`).
 
         A shared constant leaf (`jaxserve.sample.metadata.constant_array`: the token
         history when no row is penalised, the bitmask when no row has a grammar) is put
@@ -339,7 +340,7 @@ class TensorParallel:
     def _put_batch(self, host: Any) -> Any:
         if jax.process_count() > 1:  # every process holds the leader's broadcast batch
             return jax.tree.map(lambda x: self.put(x, self.replicated), host)
-        target = SingleDeviceSharding(self.devices[0]) if self.mesh is None else self.replicated
+        target = SingleDeviceSharding(jax.devices()[0]) if self.mesh is None else self.replicated
         out = copy_leaves_to_device(host, target)
         return jax.device_put(host, self.replicated) if out is None else out
 

@@ -40,24 +40,26 @@ def int_path() -> str:
 
 def int_rows(kind: str = "q4") -> int:
     """Rows of x up to which the kernel quantizes x to two int8 digits per 32-element
-    block and uses integer dot products on `kind` ("q4" or "q8") weights (0: it keeps x in
-    f32, i.e. no integer path on this CPU, or the kernel is unavailable). Defaults, from
-    their measured crossovers against the f32 kernels (the kernel's source): q4 16 and q8
-    4 on the AVX-512 VNNI path, q4 and q8 8 on the AVX2 one (`int_path`).
+    block and uses integer dot products on `kind` ("q4", "q8" for 32-element blocks, or
+    "int8": per-channel, one scale a row) weights (0: it keeps x in f32, i.e. no integer
+    path on this CPU, or the kernel is unavailable). Defaults, from their measured
+    crossovers against the f32 kernels (the kernel's source): q4 16 and q8 / int8 4 on the
+    AVX-512 VNNI path; q4 and q8 8, int8 3 on the AVX2 one (`int_path`).
     `quantize_x` gives that quantization's values.
 
     Raises:
       ValueError: an unknown kind.
     """
-    if kind not in ("q4", "q8"):
-        raise ValueError(f"kind={kind!r} must be 'q4' or 'q8'")
-    return _KERNELS.call_int64("JaxserveQMatmulIntRows" if kind == "q4"
-                               else "JaxserveQMatmulIntRowsQ8")
+    names = {"q4": "JaxserveQMatmulIntRows", "q8": "JaxserveQMatmulIntRowsQ8",
+             "int8": "JaxserveQMatmulIntRowsInt8"}
+    if kind not in names:
+        raise ValueError(f"kind={kind!r} must be one of {tuple(names)}")
+    return _KERNELS.call_int64(names[kind])
 
 
 def set_int_rows(rows: int) -> int:
-    """Set the process-wide q4 `int_rows` (clamped to [0, 64]; q8 uses at most 4 of them,
-    8 on the AVX2 path; 0 runs the f32-activation kernels), for measurements that compare
+    """Set the process-wide q4 `int_rows` (clamped to [0, 64]; q8 and int8 use at most 4 of
+    them, 8 and 3 on the AVX2 path; 0 runs the f32-activation kernels), for measurements that compare
     both paths in one process (scripts/measure_quant_drift.py); compiled programs need no recompile.
     Returns the value in force."""
     return _KERNELS.call_int64("JaxserveQMatmulSetIntRows", rows)

@@ -39,14 +39,41 @@ def test_same_values_dtypes_and_shapes_as_device_put():
     assert got["dev"] is host["dev"]  # a device leaf is kept, not copied again
 
 
+def _aligned(n: int) -> np.ndarray:
+    """i32[n] at a 64-byte-aligned address: the buffers CPU jaxlib keeps as device memory."""
+    buf = np.empty(4 * n + 64, np.uint8)
+    off = (-buf.ctypes.data) % 64
+    out = buf[off:off + 4 * n].view(np.int32)
+    out[:] = np.arange(n)
+    assert out.ctypes.data % 64 == 0
+    return out
+
+
 def test_the_host_may_reuse_its_arrays_at_once():
-    """Each leaf is copied: writing the host array after the put leaves the device's."""
+    """Each leaf is copied: writing the host array after the put leaves the device's. An
+    aligned array is the case that matters (jaxlib would otherwise keep it as the buffer)."""
     if host_to_device._SHARD_ARGS is None:
         pytest.skip("this jaxlib has no shard_args")
-    ids = np.arange(64, dtype=np.int32)  # 256 bytes: CPU device_put could alias it
-    got = copy_leaves_to_device({"ids": ids}, ONE)
-    ids[:] = -1
-    np.testing.assert_array_equal(np.asarray(got["ids"]), np.arange(64))
+    for n in (16, 64, 1000):
+        ids = _aligned(n)
+        got = copy_leaves_to_device({"ids": ids}, ONE)
+        ids[:] = -1
+        np.testing.assert_array_equal(np.asarray(got["ids"]), np.arange(n))
+
+
+def test_arrays_are_committed_to_the_target_and_other_placements_fall_back():
+    if host_to_device._SHARD_ARGS is None:
+        pytest.skip("this jaxlib has no shard_args")
+    got = copy_leaves_to_device({"a": np.arange(3, dtype=np.int32)}, ONE)["a"]
+    assert got.sharding == ONE and got.committed
+    # a device leaf on another sharding is the caller's to place: None, and put_batch
+    # then uses jax.device_put for the whole tree, as before
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    named = jax.device_put(np.zeros(2, np.float32), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+    assert named.sharding != ONE
+    assert copy_leaves_to_device({"a": np.ones(2, np.int32), "b": named}, ONE) is None
+    assert copy_leaves_to_device({"a": np.ones(2, np.int32), "b": got}, ONE) is not None
 
 
 @pytest.mark.parametrize("leaf", [np.arange(3, dtype=np.int64), np.ones(2, np.float64),

@@ -65,7 +65,7 @@ X_QUANT_REL_ERR = 1e-4
 def _quantize_x(x: np.ndarray, native: bool, kind: str = "q4") -> np.ndarray:
     """float64 x as the kernel multiplies it: `native_qmatmul.quantize_x` on the integer
     path (up to `int_rows` of the weight format's rows), x itself otherwise."""
-    fmt = "q4" if kind == "q4" else "q8"  # int8 is q8 blocks of a whole row
+    fmt = kind if kind in ("q4", "int8") else "q8"  # int8: q8 blocks of a whole row
     if native and x.shape[0] <= native_qmatmul.int_rows(fmt):
         return native_qmatmul.quantize_x(x)
     return x.astype(np.float64)
@@ -73,8 +73,8 @@ def _quantize_x(x: np.ndarray, native: bool, kind: str = "q4") -> np.ndarray:
 
 @pytest.fixture(params=["int", "f32"], ids=["int_x", "f32_x"])
 def x_path(request):
-    """The native kernel's activation path for M <= `int_rows` (q4 16 / q8 4 with VNNI,
-    8 / 8 with AVX2): the integer one (where the CPU has it) or the f32 one
+    """The native kernel's activation path for M <= `int_rows` (q4 16 / q8 4 / int8 4
+    with VNNI, 8 / 8 / 3 with AVX2): the integer one (where the CPU has it) or the f32 one
     (`set_int_rows(0)`); restored afterwards."""
     if not native_qmatmul.available():
         pytest.skip("no C++ compiler")
@@ -343,20 +343,21 @@ def test_integer_path_is_built_where_the_cpu_has_it():
 
 
 def test_int_rows_per_format():
-    """The integer path's row cut (their measured crossovers, qmatmul.cc): q4 16 and q8 at
-    most 4 on the AVX-512 VNNI path, q4 and q8 8 on the AVX2 one, both following
-    `set_int_rows`; an unknown format is an error."""
+    """The integer path's row cut (their measured crossovers, qmatmul.cc): q4 16 and q8 /
+    int8 at most 4 on the AVX-512 VNNI path, q4 and q8 8 and int8 3 on the AVX2 one, all
+    following `set_int_rows`; an unknown format is an error."""
     path = native_qmatmul.int_path()
     if not path:
         pytest.skip("no integer path here (no compiler, or no AVX-512 VNNI nor AVX2)")
-    q4, q8 = {"avx512_vnni": (16, 4), "avx2": (8, 8)}[path]
+    q4, q8, i8 = {"avx512_vnni": (16, 4, 4), "avx2": (8, 8, 3)}[path]
     before = native_qmatmul.int_rows()
     try:
-        assert (native_qmatmul.int_rows("q4"), native_qmatmul.int_rows("q8")) == (q4, q8)
+        assert (native_qmatmul.int_rows("q4"), native_qmatmul.int_rows("q8"),
+                native_qmatmul.int_rows("int8")) == (q4, q8, i8)
         assert native_qmatmul.set_int_rows(1) == 1
         assert (native_qmatmul.int_rows("q4"), native_qmatmul.int_rows("q8")) == (1, 1)
         assert native_qmatmul.set_int_rows(1000) == 64  # clamped
-        assert native_qmatmul.int_rows("q8") == q8
+        assert (native_qmatmul.int_rows("q8"), native_qmatmul.int_rows("int8")) == (q8, i8)
     finally:
         native_qmatmul.set_int_rows(before)
     with pytest.raises(ValueError, match="kind='q5'"):

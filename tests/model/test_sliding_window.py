@@ -130,7 +130,7 @@ def test_gemma_block_projections_take_quantized_weights_and_lora_deltas():
     by the hand-computed delta of its q projection."""
     import jax.numpy as jnp
 
-    from jaxserve.model import quant
+    from jaxserve.model import native_qmatmul, quant
     from jaxserve.model.llama import decoder_layer, dense_causal_attn, rope_inv_freq
     from jaxserve.model.lora import lora_leaf_shapes
 
@@ -146,8 +146,18 @@ def test_gemma_block_projections_take_quantized_weights_and_lora_deltas():
     deq = deq_dict({k: v for k, v in q.items() if k != "layers"})
     deq["layers"] = [deq_dict(lp) for lp in q["layers"]]
     ids = np.arange(4, 12)
-    np.testing.assert_allclose(np.asarray(reference_logits(cfg, q, ids)),
-                               np.asarray(reference_logits(cfg, deq, ids)), rtol=2e-4, atol=2e-4)
+    # The activations in f32 (`set_int_rows(0)`): the native kernel's integer path (up to
+    # `int_rows("int8")` rows) quantizes them, an error test_quant.py bounds on its own.
+    before = native_qmatmul.int_rows() if native_qmatmul.available() else None
+    if before is not None:
+        native_qmatmul.set_int_rows(0)
+    try:
+        np.testing.assert_allclose(np.asarray(reference_logits(cfg, q, ids)),
+                                   np.asarray(reference_logits(cfg, deq, ids)), rtol=2e-4,
+                                   atol=2e-4)
+    finally:
+        if before is not None:
+            native_qmatmul.set_int_rows(before)
     # LoRA: only the q projection's A/B non-zero in slot 1; zero everywhere else.
     p = prepare_params(cfg, state, unroll_layers=True)
     lp = dict(p["layers"][0])

@@ -76,8 +76,11 @@ constexpr int64_t kIntMaxRowsQ8 = 4;
 // the q8 head 1.3x at M = 1-2, 0.86x at 4. With the ninth session's tile (factors set up
 // before the block loop, the next tile's rows prefetched) the q8 head runs 1.3-1.8x the
 // f32 kernels' speed at M = 1-8, 1.00x at 12 and 0.94x at 16; q4 still 0.83-0.93x at 12-16.
+// Per-channel int8 (one scale a row) gains less, as its f32 kernel has no per-block
+// scales to apply: 1.4-1.6x at M = 1-2, 1.03-1.22x at 3, 0.88-1.15x at 4-8.
 constexpr int64_t kIntMaxRowsAvx2 = 8;
 constexpr int64_t kIntMaxRowsQ8Avx2 = 8;
+constexpr int64_t kIntMaxRowsInt8Avx2 = 3;
 constexpr int64_t kIntCapRows = 64;  // the most `JaxserveQMatmulSetIntRows` accepts
 // M * N * K below which one thread runs a product (JaxserveQMatmulSetSerialWork). On an
 // AVX2 Zen 3 handing a product to XLA's pool pays from ~1e5 multiply-adds on, on either
@@ -258,19 +261,20 @@ inline float MinTerm(const Work& w, const QX& xq, int64_t n, int64_t row) {
 // path it is (JaxserveQMatmulIntPath: 0 none, 1 AVX2, 2 AVX-512 VNNI).
 #if defined(JAXSERVE_INT_DOT_AVX2)
 std::atomic<int64_t> g_int_rows{kIntMaxRowsAvx2};
-constexpr int64_t kQ8Cap = kIntMaxRowsQ8Avx2, kIntPath = 1;
+constexpr int64_t kQ8Cap = kIntMaxRowsQ8Avx2, kInt8Cap = kIntMaxRowsInt8Avx2, kIntPath = 1;
 #elif defined(JAXSERVE_INT_DOT)
 std::atomic<int64_t> g_int_rows{kIntMaxRows};
-constexpr int64_t kQ8Cap = kIntMaxRowsQ8, kIntPath = 2;
+constexpr int64_t kQ8Cap = kIntMaxRowsQ8, kInt8Cap = kIntMaxRowsQ8, kIntPath = 2;
 #else
 std::atomic<int64_t> g_int_rows{0};
-constexpr int64_t kQ8Cap = 0, kIntPath = 0;
+constexpr int64_t kQ8Cap = 0, kInt8Cap = 0, kIntPath = 0;
 #endif
 
-// The integer path's row cut for q4 or q8 weights (q8: at most kQ8Cap).
-int64_t IntRows(bool q4) {
+// The integer path's row cut for q4 or q8 weights (q8: at most kQ8Cap; q8 with one
+// scale a row, i.e. per-channel int8: at most kInt8Cap).
+int64_t IntRows(bool q4, bool per_channel = false) {
   const int64_t rows = g_int_rows.load(std::memory_order_relaxed);
-  return q4 ? rows : std::min(rows, kQ8Cap);
+  return q4 ? rows : std::min(rows, per_channel ? kInt8Cap : kQ8Cap);
 }
 
 #ifdef __AVX2__
@@ -343,7 +347,7 @@ ffi::Error Run(ffi::ThreadPool& pool, bool q4, ffi::Buffer<ffi::F32>& x, const v
   w->n_tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
 #ifdef JAXSERVE_INT_DOT
   thread_local QuantX xq;  // the calling thread's; helpers only read it while it waits
-  if (M <= IntRows(q4) && QuantizeX(w->x, M, K, q4, xq)) {
+  if (M <= IntRows(q4, nb == 1 && K > 32) && QuantizeX(w->x, M, K, q4, xq)) {
     w->xq = &xq;
   }
 #endif
@@ -412,6 +416,8 @@ extern "C" int64_t JaxserveQMatmulIntRows() { return g_int_rows.load(); }
 extern "C" int64_t JaxserveQMatmulIntPath() { return kIntPath; }
 
 extern "C" int64_t JaxserveQMatmulIntRowsQ8() { return IntRows(false); }
+
+extern "C" int64_t JaxserveQMatmulIntRowsInt8() { return IntRows(false, true); }
 
 extern "C" int64_t JaxserveQMatmulSetIntRows(int64_t rows) {
 #ifdef JAXSERVE_INT_DOT

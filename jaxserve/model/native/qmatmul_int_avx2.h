@@ -125,20 +125,24 @@ void IntTile(const Work& w, const QuantX& xq, int64_t n0, int64_t r0) {
   const __m128i m15 = _mm_set1_epi8(15);
   // The next tile's weight rows, a 64-byte line per row every line's worth of blocks:
   // 1.25-1.45x on the Q8_0 head and ~1.3x on mlp_down [576, 1536] at M = 1-2, 1.0-1.07x
-  // on the other SmolLM2 shapes (streamed chains, this AVX2 CPU). A prefetch past the
-  // weights' end is a hint the CPU drops, never a fault.
+  // on the other SmolLM2 shapes (streamed chains, this AVX2 CPU). Only the tile of the
+  // first rows of x prefetches (the others read the same weights). The address is an
+  // integer, so one past the weights' end is a hint the CPU drops, never a fault.
   constexpr int64_t kBlockBytes = Q4 ? 16 : 32, kLineBlocks = 64 / kBlockBytes;
-  const int64_t ahead = NT * row_bytes;
+  const uintptr_t ahead = static_cast<uintptr_t>(NT * row_bytes);
+  const bool prefetch = r0 == 0;
   for (int64_t b = 0; b < nb; ++b) {
-    if (b % kLineBlocks == 0) {
+    if (prefetch && b % kLineBlocks == 0) {
       for (int i = 0; i < NT; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(wq[i] + ahead + b * kBlockBytes), _MM_HINT_T0);
+        const uintptr_t at = reinterpret_cast<uintptr_t>(wq[i]) + ahead + b * kBlockBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
       }
     }
     for (int i = 0; i < NT; ++i) {
       __m256i wa, wc;  // the block as int16: elements 0..15, 16..31
       if constexpr (Q4) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq[i] + b * kBlockBytes));
+        const auto* src = reinterpret_cast<const __m128i*>(wq[i] + b * kBlockBytes);
+        const __m128i raw = _mm_loadu_si128(src);
         wa = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m15));
         wc = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m15));
       } else {
