@@ -41,8 +41,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import (AbstractMesh, Mesh, NamedSharding, PartitionSpec as P,
-                          SingleDeviceSharding)
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 from jaxserve.attention.common import AttentionBackend
@@ -237,6 +236,8 @@ class TensorParallel:
         self.mesh = (Mesh(np.array(devices[:tp]).reshape(1, tp), (DP_AXIS, TP_AXIS))
                      if tp > 1 or multi else None)
         self._constants: dict[int, Any] = {}  # id of a `constant_array` -> its device copy
+        self._batch_target = (self.replicated if self.mesh is not None  # a step's batch goes
+                              else jax.sharding.SingleDeviceSharding(jax.devices()[0]))  # where
 
     # Executable-cache key parts that name where the programs run beyond the process's
     # own devices (a deviceless compile's target, `jaxserve.gpu.deviceless`); none here.
@@ -340,8 +341,7 @@ class TensorParallel:
     def _put_batch(self, host: Any) -> Any:
         if jax.process_count() > 1:  # every process holds the leader's broadcast batch
             return jax.tree.map(lambda x: self.put(x, self.replicated), host)
-        target = SingleDeviceSharding(jax.devices()[0]) if self.mesh is None else self.replicated
-        out = copy_leaves_to_device(host, target)
+        out = copy_leaves_to_device(host, self._batch_target)  # `place_params` puts weights
         return jax.device_put(host, self.replicated) if out is None else out
 
     def fetch(self, tree: Any) -> Any:

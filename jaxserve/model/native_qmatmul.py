@@ -59,9 +59,9 @@ def int_rows(kind: str = "q4") -> int:
 
 def set_int_rows(rows: int) -> int:
     """Set the process-wide q4 `int_rows` (clamped to [0, 64]; q8 and int8 use at most 4 of
-    them, 8 and 3 on the AVX2 path; 0 runs the f32-activation kernels), for measurements that compare
-    both paths in one process (scripts/measure_quant_drift.py); compiled programs need no recompile.
-    Returns the value in force."""
+    them, 8 and 3 on the AVX2 path; 0 runs the f32-activation kernels), for measurements
+    that compare both paths in one process (scripts/measure_quant_drift.py); compiled
+    programs need no recompile. Returns the value in force."""
     return _KERNELS.call_int64("JaxserveQMatmulSetIntRows", rows)
 
 

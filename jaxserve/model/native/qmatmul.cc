@@ -255,6 +255,35 @@ inline float MinTerm(const Work& w, const QX& xq, int64_t n, int64_t row) {
 
 #include "qmatmul_int.h"  // integer dot products (AVX-512 VNNI); needs Work
 #include "qmatmul_int_avx2.h"  // the same on AVX2 (16-bit) where there is no VNNI
+
+#ifdef JAXSERVE_INT_DOT
+// Weight rows [n0, n1) of the product on either integer path (its IntTile): 4 weight rows
+// x 2 (and 1) rows of x, each weight block read once for both; where the path has wide
+// tiles (kIntWideTiles, AVX2), 2 x 4 from 4 rows of x on; the last rows one at a time.
+template <bool Q4>
+void RunInt(const Work& w, int64_t n0, int64_t n1) {
+  const QuantX& xq = *static_cast<const QuantX*>(w.xq);
+  int64_t n = n0;
+  if constexpr (kIntWideTiles) {
+    if (w.M >= 4) {
+      for (; n + 2 <= n1; n += 2) {
+        int64_t r = 0;
+        for (; r + 4 <= w.M; r += 4) IntTile<Q4, 2, 4>(w, xq, n, r);
+        for (; r + 2 <= w.M; r += 2) IntTile<Q4, 2, 2>(w, xq, n, r);
+        if (r < w.M) IntTile<Q4, 2, 1>(w, xq, n, r);
+      }
+    }
+  }
+  for (; n + 4 <= n1; n += 4) {
+    int64_t r = 0;
+    for (; r + 2 <= w.M; r += 2) IntTile<Q4, 4, 2>(w, xq, n, r);
+    if (r < w.M) IntTile<Q4, 4, 1>(w, xq, n, r);
+  }
+  for (; n < n1; ++n) {
+    for (int64_t r = 0; r < w.M; ++r) IntTile<Q4, 1, 1>(w, xq, n, r);
+  }
+}
+#endif
 #endif  // __AVX2__
 
 // Rows of x up to which the integer path runs (JaxserveQMatmulSetIntRows), and which

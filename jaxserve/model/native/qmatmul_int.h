@@ -1,7 +1,7 @@
 // Part of qmatmul.cc (included inside its anonymous namespace, after `Work` and the
 // AVX2 helpers): the integer-dot-product path for up to kIntMaxRows rows of x (q4;
 // kIntMaxRowsQ8 for q8).
-// Defines JAXSERVE_INT_DOT, QuantX, QuantizeX and RunInt<Q4> when the CPU has
+// Defines JAXSERVE_INT_DOT, QuantX, QuantizeX, IntTile and kIntWideTiles when the CPU has
 // AVX-512 VNNI (+BW, VL) and F16C; nothing otherwise.
 #pragma once
 
@@ -260,17 +260,6 @@ void IntTile(const Work& w, const QuantX& xq, int64_t n0, int64_t r0) {
   }
 }
 
-template <bool Q4>
-void RunInt(const Work& w, int64_t n0, int64_t n1) {
-  const QuantX& xq = *static_cast<const QuantX*>(w.xq);
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    int64_t r = 0;
-    for (; r + 2 <= w.M; r += 2) IntTile<Q4, 4, 2>(w, xq, n, r);
-    if (r < w.M) IntTile<Q4, 4, 1>(w, xq, n, r);
-  }
-  for (; n < n1; ++n) {
-    for (int64_t r = 0; r < w.M; ++r) IntTile<Q4, 1, 1>(w, xq, n, r);
-  }
-}
+// RunInt (qmatmul.cc) tiles with 4 weight rows x 2 (and 1) rows of x at every M here.
+constexpr bool kIntWideTiles = false;
 #endif  // integer dot products

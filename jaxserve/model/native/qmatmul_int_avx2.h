@@ -1,7 +1,7 @@
 // Part of qmatmul.cc (included inside its anonymous namespace, after `Work` and the
 // AVX2 helpers, when qmatmul_int.h found no AVX-512 VNNI): the integer path on AVX2 CPUs.
-// Defines JAXSERVE_INT_DOT, JAXSERVE_INT_DOT_AVX2, QuantX, QuantizeX and RunInt<Q4> when
-// the CPU has AVX2, FMA and F16C; nothing otherwise.
+// Defines JAXSERVE_INT_DOT, JAXSERVE_INT_DOT_AVX2, QuantX, QuantizeX, IntTile and
+// kIntWideTiles when the CPU has AVX2, FMA and F16C; nothing otherwise.
 #pragma once
 
 #if !defined(JAXSERVE_INT_DOT) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -168,27 +168,7 @@ void IntTile(const Work& w, const QuantX& xq, int64_t n0, int64_t r0) {
   }
 }
 
-// Tiles: 4 weight rows x 2 (and 1) rows of x up to 3 rows (each weight block widened once
-// for both), 2 x 4 from 4 rows on (widened once for four: fewer widenings per product).
-template <bool Q4>
-void RunInt(const Work& w, int64_t n0, int64_t n1) {
-  const QuantX& xq = *static_cast<const QuantX*>(w.xq);
-  int64_t n = n0;
-  if (w.M >= 4) {
-    for (; n + 2 <= n1; n += 2) {
-      int64_t r = 0;
-      for (; r + 4 <= w.M; r += 4) IntTile<Q4, 2, 4>(w, xq, n, r);
-      for (; r + 2 <= w.M; r += 2) IntTile<Q4, 2, 2>(w, xq, n, r);
-      if (r < w.M) IntTile<Q4, 2, 1>(w, xq, n, r);
-    }
-  }
-  for (; n + 4 <= n1; n += 4) {
-    int64_t r = 0;
-    for (; r + 2 <= w.M; r += 2) IntTile<Q4, 4, 2>(w, xq, n, r);
-    if (r < w.M) IntTile<Q4, 4, 1>(w, xq, n, r);
-  }
-  for (; n < n1; ++n) {
-    for (int64_t r = 0; r < w.M; ++r) IntTile<Q4, 1, 1>(w, xq, n, r);
-  }
-}
+// RunInt (qmatmul.cc) tiles with 2 weight rows x 4 rows of x from 4 rows on (each weight
+// block widened once for four: fewer widenings per product), 4 x 2 (and 1) below.
+constexpr bool kIntWideTiles = true;
 #endif  // integer dot products (AVX2)
