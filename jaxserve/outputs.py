@@ -153,9 +153,10 @@ for _name, _doc in (("text", "The output text so far."),
     setattr(CompletionOutput, _name, _lazy_list(_name, _doc))
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
-    """The state of one user request after an engine step."""
+    """The state of one user request after an engine step (slotted: the engine makes
+    one per request per step, `make`)."""
 
     request_id: str
     prompt: str | None
@@ -174,6 +175,18 @@ class RequestOutput:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+    @classmethod
+    def make(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+             outputs: list[CompletionOutput], finished: bool,
+             metrics: RequestMetrics) -> "RequestOutput":
+        """The constructor's result (no prompt logprobs), without the dataclass's __init__:
+        the engine makes one per request per step."""
+        self = object.__new__(cls)
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.outputs, self.finished, self.metrics = outputs, finished, metrics
+        self.prompt_logprobs = self.prompt_token_logprobs = None
+        return self
 
 
 @dataclass(frozen=True)

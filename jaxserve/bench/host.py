@@ -30,7 +30,9 @@ loop: plan, run, fetch, process outputs, then plan the next). `--placeholders=of
 async scheduling but plans step n+1 only once step n's tokens are back (the loop before
 output placeholders; with `--real`, `on` forces them on although the engine's default on
 CPU is off, `EngineConfig.async_placeholders`); `ab` runs each case on, off, on, off in
-one process (the machine's drift hits both alike).
+one process (the machine's drift hits both alike). `--gc_young` sets the cyclic GC's
+young-generation threshold for the A/B (default: the one `jaxserve serve` runs with after
+its warm-up, `jaxserve.engine.stats.GC_YOUNG_THRESHOLD`; CPython's own is 700).
 """
 
 from __future__ import annotations
@@ -159,10 +161,13 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
 
 def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokenizer: Any,
              async_scheduling: bool = True, stream_interval: int = 1,
-             placeholders: bool = True, log: Callable[[str], None] = print) -> HostResult:
+             placeholders: bool = True, gc_young: int | None = None,
+             log: Callable[[str], None] = print) -> HostResult:
     """Time one case (see the module doc); all `rows` requests decode throughout.
-    `placeholders=False`: the runner refuses plans made ahead (`placeholders_ok`)."""
-    from jaxserve.sampling_params import SamplingParams
+    `placeholders=False`: the runner refuses plans made ahead (`placeholders_ok`).
+    `gc_young`: the cyclic GC's young-generation threshold during the case (None: the
+    server's, `jaxserve.engine.stats.GC_YOUNG_THRESHOLD`; 700 is CPython's default)."""
+    from jaxserve.engine.stats import GC_YOUNG_THRESHOLD
 
     engine = _engine(rows, device_ms, real, tokenizer, async_scheduling, stream_interval)
     engine.runner.placeholders = placeholders  # the real runner's default on CPU is off
@@ -170,6 +175,21 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
     # so a second case here would otherwise run with its engine unfrozen).
     gc.collect()
     gc.freeze()
+    saved = gc.get_threshold()
+    gc.set_threshold(gc_young or GC_YOUNG_THRESHOLD, *saved[1:])
+    try:
+        return _timed_case(engine, rows, device_ms, seconds, real, async_scheduling,
+                           stream_interval, placeholders, tokenizer, log)
+    finally:
+        gc.set_threshold(*saved)
+
+
+def _timed_case(engine: Any, rows: int, device_ms: float, seconds: float, real: bool,
+                async_scheduling: bool, stream_interval: int, placeholders: bool,
+                tokenizer: Any, log: Callable[[str], None]) -> HostResult:
+    from jaxserve.engine.stats import GC_YOUNG_THRESHOLD
+    from jaxserve.sampling_params import SamplingParams
+
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                            add_generation_prompt=True, tokenize=True)
     sp = SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)
@@ -213,7 +233,8 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
     res = HostResult(
         runner=("model_runner(tiny)" if real else "fake") + ("" if async_scheduling else ",serial")
         + ("" if placeholders or not async_scheduling else ",no_ph")
-        + ("" if stream_interval == 1 else f",k={stream_interval}"),
+        + ("" if stream_interval == 1 else f",k={stream_interval}")
+        + ("" if gc.get_threshold()[0] == GC_YOUNG_THRESHOLD else f",gc={gc.get_threshold()[0]}"),
         rows=rows,
         device_ms=None if real else device_ms, steps=steps, seconds=round(wall, 3),
         tokens_per_request_per_s=round(sum(gained) / len(gained) / wall, 1),
@@ -253,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the engine's stream_interval (vLLM's): tokens per output")
     ap.add_argument("--no_async", action="store_true",
                     help="async_scheduling off: the serial loop, for an A/B")
+    ap.add_argument("--gc_young", type=int, default=None,
+                    help="the cyclic GC's young threshold (default: the server's, "
+                    "jaxserve.engine.stats.GC_YOUNG_THRESHOLD; 700: CPython's)")
     ap.add_argument("--placeholders", choices=("on", "off", "ab"), default="on",
                     help="plan step n+1 before step n's tokens are back (on), only after "
                     "(off), or each case on, off, on, off (ab)")
@@ -268,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = [asdict(run_case(n, d or 0.0, seconds=a.seconds, real=a.real, tokenizer=tok,
                                async_scheduling=not a.no_async,
                                stream_interval=a.stream_interval, placeholders=p,
+                               gc_young=a.gc_young,
                                log=lambda s: print(s, flush=True)))
                for d in dms for n in rows for p in ph]
     print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)

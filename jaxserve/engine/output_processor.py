@@ -92,6 +92,9 @@ class _Parent:
     delta: bool = False  # RequestOutputKind.DELTA: the output fields hold the new part only
     sent: bool = False  # an output has been collected (stream_interval holds the next ones)
     prompt_sent: bool = False  # an output has carried the prompt's logprobs
+    # One sample, no logprobs, no prompt scores, every token an output: while its sample
+    # runs without a grammar or stop strings, `process_tokens` makes its output at once.
+    direct: bool = False
 
 
 def _fewer_than(p: _Parent, k: int) -> bool:
@@ -134,6 +137,9 @@ class OutputProcessor:
                                               final_only=kind == RequestOutputKind.FINAL_ONLY,
                                               delta=kind == RequestOutputKind.DELTA)
         start = p.children[0].logprob_start
+        parent = self._parents[p.request_id]
+        parent.direct = (len(children) == 1 and not parent.final_only and start is None
+                         and children[0].logprobs is None and self.stream_interval == 1)
         if start is not None:
             P, k = len(p.prompt_token_ids), p.children[0].sampling_params.prompt_logprobs
             w = k or 0
@@ -215,25 +221,42 @@ class OutputProcessor:
         return sc.entries
 
     def process_tokens(self, sampled: dict[str, SampledToken], now: float
-                       ) -> tuple[list[str], FinishRequests]:
-        """Apply one step's tokens (the scheduler has appended them); returns the parents
-        that progressed and the requests to finish (stop strings; a failure here, e.g. the
-        detokenizer, fails that sample alone)."""
-        parents, fin = [], FinishRequests()
-        child_of, all_parents = self._child_of, self._parents
+                       ) -> tuple[list[str | RequestOutput], FinishRequests]:
+        """Apply one step's tokens (the scheduler has appended them); returns what
+        progressed, in row order, for `collect`, and the requests to finish (stop strings;
+        a failure here, e.g. the detokenizer, fails that sample alone).
+
+        What progressed is a parent id, or already its `RequestOutput` for a live
+        `_Parent.direct` request whose sample has no grammar and no stop strings: nothing
+        later in the step can change that output (only its own row could finish it), so
+        it is made here in the same pass (vLLM V1's OutputProcessor likewise makes each
+        output while it processes the token)."""
+        progressed, fin = [], FinishRequests()
+        child_of, all_parents, completion = self._child_of, self._parents, self._completion
+        make = RequestOutput.make
         for cid, tok in sampled.items():
             at = child_of.get(cid)
             if at is None:
                 continue
-            parents.append(at[0])
             p = all_parents[at[0]]
+            c = p.children[at[1]]
             try:
-                self._on_token(p.children[at[1]], p, tok, now, fin)
+                self._on_token(c, p, tok, now, fin)
             except Exception as e:  # this request alone fails
                 logger.exception("output processing failed for %s", cid)
-                self._child(cid).error = f"{type(e).__name__}: {e}"
+                c.error = f"{type(e).__name__}: {e}"
                 fin.finished.append((cid, RequestStatus.FINISHED_ERROR))
-        return parents, fin
+                progressed.append(at[0])
+                continue
+            req, d = c.request, c.detok
+            if (p.direct and req.status is _RUNNING and req.grammar is None
+                    and (d is None or d.plain)):
+                p.sent = True
+                progressed.append(make(p.request_id, p.prompt, p.prompt_token_ids,
+                                       [completion(c, p.delta)], False, p.metrics))
+            else:
+                progressed.append(at[0])
+        return progressed, fin
 
     def _on_token(self, c: _Child, p: _Parent, tok: SampledToken, now: float,
                   fin: FinishRequests) -> None:
@@ -316,14 +339,22 @@ class OutputProcessor:
             parents.append(self._child_of[cid][0])
         return parents, fin
 
-    def collect(self, parent_ids: Iterable[str]) -> list[RequestOutput]:
+    def collect(self, parent_ids: Iterable[str | RequestOutput]) -> list[RequestOutput]:
         """One `RequestOutput` per parent (deduplicated, in order), deltas since the last one;
         a finished parent is forgotten. A FINAL_ONLY parent gets one only once finished
         (its deltas then span the whole output); with `stream_interval` k > 1 a live parent
-        that has had an output gets the next once a sample has k new tokens."""
+        that has had an output gets the next once a sample has k new tokens. An entry that
+        is already a `RequestOutput` (`process_tokens`) is passed on in its place."""
         outs = []
         parents, completion, k = self._parents, self._completion, self.stream_interval
-        for pid in dict.fromkeys(parent_ids):
+        seen = set()
+        for pid in parent_ids:
+            if type(pid) is RequestOutput:
+                outs.append(pid)
+                continue
+            if pid in seen:
+                continue
+            seen.add(pid)
             p = parents.get(pid)
             if p is None:
                 continue
@@ -338,7 +369,7 @@ class OutputProcessor:
                 p.metrics.finished_time = time.monotonic()
                 self.pop(pid)
             p.sent = True
-            ro = RequestOutput(pid, p.prompt, p.prompt_token_ids, comps, finished, p.metrics)
+            ro = RequestOutput.make(pid, p.prompt, p.prompt_token_ids, comps, finished, p.metrics)
             sc = p.scores
             if sc is not None and sc.complete and not (p.delta and p.prompt_sent):
                 p.prompt_sent = True  # DELTA (vLLM's): the prompt's logprobs come once
@@ -355,6 +386,8 @@ class OutputProcessor:
         # equals a copy made now. `snapshot` skips the dataclass's per-field setters.
         # RequestOutputKind.DELTA (vLLM's): text, token_ids, logprobs and token_logprobs
         # hold only what is new since the last output (cumulative_logprob stays cumulative).
+        # The text is a str: when all of it is emitted (no stop-string hold-back) it is
+        # handed out as is, else as a ListPrefix of its emitted part.
         ids, req, d, lps, tlp = (c.request.output_token_ids, c.request, c.detok, c.logprobs,
                                  c.token_logprobs)
         if delta:
@@ -362,15 +395,23 @@ class OutputProcessor:
             text = c.delta_text
             tlp = tlp[len(tlp) - len(tids):]
         else:
-            text = ListPrefix(d.text, d.num_emitted) if d is not None else ""
+            if d is None:
+                text = ""
+            else:
+                text, n = d.text, d.num_emitted
+                if n != len(text):
+                    text = ListPrefix(text, n)
             tids, tlp = ListPrefix(ids, len(ids)), ListPrefix(tlp, len(tlp))
             lp = None if lps is None else ListPrefix(lps, len(lps))
+        reason = req.finish_reason
         out = CompletionOutput.snapshot(
             c.index, text, tids, c.delta_text, c.delta_ids, lp,
-            c.delta_logprobs if lps is not None else None, tlp, c.cumulative_logprob,
-            req.finish_reason, c.stop_reason, c.error)
-        c.delta_text, c.delta_ids, c.delta_logprobs = "", [], []
-        if req.finish_reason is not None:
+            None if lps is None else c.delta_logprobs, tlp, c.cumulative_logprob,
+            reason, c.stop_reason, c.error)
+        c.delta_text, c.delta_ids = "", []
+        if lps is not None:
+            c.delta_logprobs = []
+        if reason is not None:
             c.final_sent = True
         return out
 

@@ -58,18 +58,19 @@ class WeightProvenance:
         O(1) per completion: each gets a `ListPrefix` of its child's version list,
         which `record` only appends to (and `drop` only unlinks), so the prefix read
         later equals the versions at this step."""
+        children, sent, versions = self._children, self._sent, self.versions
         for o in outputs:
-            kids = self._children.get(o.request_id)
+            kids = children.get(o.request_id)
             if kids is None:
                 continue
             for c in o.outputs:  # O(1): copied when read (`versions` lists only grow)
                 cid = kids[c.index]
-                start = self._sent.get(cid)
-                if start is None:
-                    c.token_weight_versions = ListPrefix(self.versions[cid], c.num_tokens)
+                start = sent.get(cid)
+                if start is None:  # (the property's slot, set directly: one per row a step)
+                    c._token_weight_versions = ListPrefix(versions[cid], c.num_tokens)
                 else:  # DELTA: the versions of this output's new tokens
-                    self._sent[cid] = end = start + c.num_tokens
-                    c.token_weight_versions = self.versions[cid][start:end]
+                    sent[cid] = end = start + c.num_tokens
+                    c._token_weight_versions = versions[cid][start:end]
             if o.finished:
                 self.drop(o.request_id)
         return outputs

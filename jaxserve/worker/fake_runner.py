@@ -16,6 +16,7 @@ logprobs; the server tests use it). Plain Python + NumPy: no jax.
 
 from __future__ import annotations
 
+import functools
 import time
 import zlib
 from dataclasses import dataclass, replace
@@ -42,14 +43,43 @@ TokenFn = Callable[[CachedRequestState, int], "int | SampledToken"]
 RequestPredicate = Callable[[CachedRequestState], bool]
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(h, pos):
+    """MurmurHash3's 32-bit finalizer over h ^ (pos * golden ratio), for Python ints or
+    uint64 NumPy arrays alike (every product is masked back to 32 bits)."""
+    x = (h ^ (pos * 0x9E3779B1)) & _M32
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _M32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
 def default_token(request_id: str, output_pos: int, *, vocab_size: int = 1000, low: int = 3) -> int:
     """A deterministic pseudo-random token in [low, vocab_size) for (request_id, position).
 
     Depends on nothing else (not the batch, the step or a preemption), like
-    a seeded sampler keyed on (seed, output position).
+    a seeded sampler keyed on (seed, output position). `default_tokens` gives the same
+    values for a whole step at once.
     """
-    h = zlib.crc32(f"{request_id}:{output_pos}".encode())
-    return low + h % (vocab_size - low)
+    return low + int(_mix32(_id_hash(request_id), output_pos)) % (vocab_size - low)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _id_hash(request_id: str) -> int:
+    return zlib.crc32(request_id.encode())
+
+
+def default_tokens(request_ids: Sequence[str], output_pos: Sequence[int], *,
+                   vocab_size: int = 1000, low: int = 3) -> np.ndarray:
+    """i64[len(request_ids)]: `default_token` of each (request_id, output_pos) pair, the
+    hash done in NumPy (the fake device's sampler: a step's tokens cost the host
+    O(1) Python calls a row, as a real device's do)."""
+    h = np.fromiter(map(_id_hash, request_ids), np.uint64, len(request_ids))
+    pos = np.asarray(output_pos, np.uint64)
+    return low + (_mix32(h, pos) % np.uint64(vocab_size - low)).astype(np.int64)
 
 
 def scripted(script: Mapping[str, Sequence[int]], fallback: TokenFn | None = None) -> TokenFn:
@@ -143,6 +173,7 @@ class FakeRunner:
                  vocab_size: int | None = None, score: bool = True):
         self.scheduler = scheduler
         self.token_fn = token_fn or (lambda req, pos: default_token(req.request_id, pos))
+        self._default_tokens = token_fn is None  # `_make_tokens` hashes a step at once
         if scheduler is not None:
             num_kv_blocks = num_kv_blocks or scheduler.kv_cache_manager.num_kv_blocks
             bucket_policy = bucket_policy or scheduler.bucket_policy
@@ -259,9 +290,13 @@ class FakeRunner:
                      plan: Any) -> None:
         """The step's scripted tokens (and prompt scores), made once the steps before it
         have recorded theirs."""
-        for sr, req in sample:
-            results[sr.request_id] = self._token(req, sr.output_pos, masks.get(sr.request_id))
-        self._batch_alternatives(results)
+        if self._default_tokens and not masks and sample:
+            rids = [sr.request_id for sr, _ in sample]
+            self._wrap_tokens(results, rids, default_tokens(rids, [sr.output_pos for sr, _ in sample]))
+        else:
+            for sr, req in sample:
+                results[sr.request_id] = self._token(req, sr.output_pos, masks.get(sr.request_id))
+            self._batch_alternatives(results)
         if plan is not None:
             merge_scores(results, fake_scores(plan, vocab_size=self.vocab_size or 1000,
                                               max_logprobs=self.max_logprobs))
@@ -288,14 +323,21 @@ class FakeRunner:
         token itself), their arrays rows of one step-wide array, as the real runner's
         are rows of the fetched batch."""
         rids = [rid for rid, t in results.items() if type(t) is int]
-        if not rids:
-            return
+        if rids:
+            self._wrap_tokens(results, rids, np.fromiter((results[r] for r in rids), np.int32,
+                                                         len(rids)))
+
+    def _wrap_tokens(self, results: dict[str, Any], rids: list[str], ids: np.ndarray) -> None:
+        """results[rids[i]] = the SampledToken of ids[i]: logprob 0, every alternative the
+        token itself (a row of one step-wide array), the top logprobs one shared
+        read-only zero row."""
         L = self.max_logprobs
-        ids = np.fromiter((results[r] for r in rids), np.int32, len(rids))
-        top = np.repeat(ids, L).reshape(len(rids), L)
-        zeros = np.zeros((len(rids), L), np.float32)
-        for i, rid in enumerate(rids):
-            results[rid] = SampledToken.make(results[rid], 0.0, top[i], zeros[i])
+        top = list(np.repeat(ids.astype(np.int32), L).reshape(len(rids), L))
+        zero = np.zeros(L, np.float32)
+        zero.flags.writeable = False
+        make = SampledToken.make
+        for rid, t, row in zip(rids, ids.tolist(), top):
+            results[rid] = make(t, 0.0, row, zero)
 
     def _obey_grammar(self, row: np.ndarray, t: "int | SampledToken") -> "int | SampledToken":
         """The scripted token if the bitmask `row` allows it, else the next allowed id."""

@@ -55,7 +55,7 @@ class CachedRequestState(TokenCounts):
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "seed",
                  "eos_token_ids", "logprob_start", "output_token_ids", "num_computed_tokens",
-                 "lora_slot", "slot", "num_blocks")
+                 "lora_slot", "slot", "num_blocks", "last_block")
 
     def __init__(self, new: NewRequestData):
         self.request_id, self.prompt_token_ids = new.request_id, new.prompt_token_ids
@@ -66,6 +66,7 @@ class CachedRequestState(TokenCounts):
         self.lora_slot = new.lora_slot
         self.slot = 0  # its row of `RequestStates.block_table` (0: none yet)
         self.num_blocks = 0  # block ids written there
+        self.last_block = 0  # the last of them (`RequestStates.update`'s unchanged-row check)
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -127,13 +128,14 @@ class RequestStates(dict):
         if not st.slot:
             st.slot = self._slot()
         table = self.block_table
-        if n == k and (not k or table[st.slot, k - 1] == ids[k - 1]):
+        if n == k and (not k or st.last_block == ids[k - 1]):
             return
         if n < k or (k and table[st.slot, k - 1] != ids[k - 1]):  # not an extension
             table[st.slot, :k] = 0
             k = 0
         table[st.slot, k:n] = ids[k:n]
         st.num_blocks = n
+        st.last_block = ids[n - 1] if n else 0
 
     def update(self, out: SchedulerOutput) -> tuple[list[CachedRequestState | None], dict[str, str]]:
         """Apply a plan: drop its finished and preempted requests, add its new ones; return
@@ -157,8 +159,9 @@ class RequestStates(dict):
         rows: list[CachedRequestState | None] = []
         errors: dict[str, str] = {}
         tables = self.block_table is not None
+        get, sync = self.get, self._sync_blocks
         for sr in out.scheduled:
-            st = self.get(sr.request_id)
+            st = get(sr.request_id)
             if st is not None and len(st.output_token_ids) != sr.output_pos:
                 if len(st.output_token_ids) > sr.output_pos:
                     st.truncate(sr.output_pos)
@@ -174,9 +177,12 @@ class RequestStates(dict):
                 errors[sr.request_id] = (f"request {sr.request_id!r} is not among the runner's "
                                          "requests (no NewRequestData in any plan)")
             if st is not None:
-                st.num_computed_tokens = sr.end_pos
+                st.num_computed_tokens = sr.start_pos + len(sr.token_ids)
                 if tables:
-                    self._sync_blocks(st, sr.block_ids)
+                    ids = sr.block_ids  # unchanged since the last step: nothing to write
+                    if not (st.slot and len(ids) == st.num_blocks
+                            and (not ids or ids[-1] == st.last_block)):
+                        sync(st, ids)
             rows.append(st)
         return rows, errors
 

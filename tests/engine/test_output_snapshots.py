@@ -87,7 +87,7 @@ def test_final_only_gives_one_output_equal_to_the_cumulative_runs_last():
     base = SamplingParams(n=2, max_tokens=12, ignore_eos=True, logprobs=1)
     for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
         eng.add_request(f"{kind.name}-x", "hello world", base.replace(output_kind=kind))
-        eng.add_request(f"{kind.name}-y", "abc", base.replace(output_kind=kind, stop=["u", "x"]))
+        eng.add_request(f"{kind.name}-y", "abc", base.replace(output_kind=kind, stop=["O", "X"]))
     seen: dict[str, list] = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -100,7 +100,7 @@ def test_final_only_gives_one_output_equal_to_the_cumulative_runs_last():
                 b.text, b.token_ids, b.logprobs, b.finish_reason, b.stop_reason)
             assert b.delta_text == b.text and b.delta_token_ids == b.token_ids
             assert len(b.token_ids) > 0
-    assert [c.stop_reason for c in seen["FINAL_ONLY-y"][0].outputs] == ["u", "x"]
+    assert [c.stop_reason for c in seen["FINAL_ONLY-y"][0].outputs] == ["O", "X"]
 
 
 def test_output_kind_is_validated_and_normalised():
