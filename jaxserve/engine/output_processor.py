@@ -230,7 +230,8 @@ class OutputProcessor:
         `_Parent.direct` request whose sample has no grammar and no stop strings: nothing
         later in the step can change that output (only its own row could finish it), so
         it is made here in the same pass (vLLM V1's OutputProcessor likewise makes each
-        output while it processes the token)."""
+        output while it processes the token). A FINAL_ONLY sample that is still running
+        (no stop string found) is left out: its parent has no output to give yet."""
         progressed, fin = [], FinishRequests()
         child_of, all_parents, completion = self._child_of, self._parents, self._completion
         make = RequestOutput.make
@@ -254,8 +255,8 @@ class OutputProcessor:
                 p.sent = True
                 progressed.append(make(p.request_id, p.prompt, p.prompt_token_ids,
                                        [completion(c, p.delta)], False, p.metrics))
-            else:
-                progressed.append(at[0])
+            elif not (p.final_only and req.status is _RUNNING and c.stop_reason is None):
+                progressed.append(at[0])  # (a live FINAL_ONLY sample has no output to give)
         return progressed, fin
 
     def _on_token(self, c: _Child, p: _Parent, tok: SampledToken, now: float,
