@@ -55,7 +55,7 @@ class SamplingMetadata:
     allowed_bitmask: Any  # i32[S, ceil(V/32)] (or [S, 0]: no mask); -1 = all allowed
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class SamplingRow:
     """Host-side description of one row to sample (one request, or one of its n samples).
 
@@ -162,6 +162,23 @@ def _fill_token_lists(i: int, row: SamplingRow, max_model_len: int, history: np.
         bias_values[i, :len(pairs)] = pairs[:, 1]
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _check_rows(idx: list[int], live: list[SamplingRow]) -> None:
+    """Raise ValueError naming the first row whose seed, output_pos or EOS ids are out of
+    range (see `make_sampling_metadata`)."""
+    for i, row in zip(idx, live):
+        if not 0 <= row.seed < 2**64:
+            raise ValueError(f"rows[{i}].seed={row.seed} must be in [0, 2**64)")
+        if not 0 <= row.output_pos < 2**31:
+            raise ValueError(f"rows[{i}].output_pos={row.output_pos} must be in [0, 2**31)")
+        if len(row.eos_token_ids) > MAX_EOS_TOKEN_IDS:
+            raise ValueError(
+                f"rows[{i}].eos_token_ids has {len(row.eos_token_ids)} ids, "
+                f"at most MAX_EOS_TOKEN_IDS={MAX_EOS_TOKEN_IDS}")
+
+
 def make_sampling_metadata(
     rows: Sequence[SamplingRow | None], *, num_rows: int, max_model_len: int,
     vocab_size: int | None = None,
@@ -199,35 +216,38 @@ def make_sampling_metadata(
     rep = np.ones(S, np.float32)
     pres = np.zeros(S, np.float32)
     freq = np.zeros(S, np.float32)
-    live = [r for r in rows if r is not None]
-    history = _filled((S, max_model_len), any(uses_penalties(r.params) for r in live))
+    idx = [i for i, r in enumerate(rows) if r is not None]
+    live = [rows[i] for i in idx]
+    penalised = any(uses_penalties(r.params) for r in live)
+    history = _filled((S, max_model_len), penalised)
     prompt_lens = np.zeros(S, np.int32)
     suppress, bias_ids, bias_values = _suppress_and_bias(live, S)
     bitmask = _filled((S, 0 if vocab_size is None else (vocab_size + 31) // 32),
                       any(r.allowed is not None for r in live))
-    for i, row in enumerate(rows):
-        if row is None:
-            continue
-        p = row.params
-        if not 0 <= row.seed < 2**64:
-            raise ValueError(f"rows[{i}].seed={row.seed} must be in [0, 2**64)")
-        if not 0 <= row.output_pos < 2**31:
-            raise ValueError(f"rows[{i}].output_pos={row.output_pos} must be in [0, 2**31)")
-        if len(row.eos_token_ids) > MAX_EOS_TOKEN_IDS:
-            raise ValueError(
-                f"rows[{i}].eos_token_ids has {len(row.eos_token_ids)} ids, "
-                f"at most MAX_EOS_TOKEN_IDS={MAX_EOS_TOKEN_IDS}")
-        temperature[i] = p.temperature
+    _check_rows(idx, live)
+    # Column by column: one NumPy assignment a field, not one a row and field.
+    if live:
+        # rows 0..n-1 (no padding row among them, the usual plan) as a slice
+        sel = slice(0, len(idx)) if idx[-1] == len(idx) - 1 else idx
+        ps = [r.params for r in live]
+        temperature[sel] = [p.temperature for p in ps]
         # top_k >= V is "off" (the validator already turns it into 0); the clamp keeps a
         # params object that skipped the validator from overflowing the int32 array.
-        top_k[i] = min(p.top_k, np.iinfo(np.int32).max)
-        top_p[i] = p.top_p
-        min_p[i] = p.min_p
-        rng_key[i] = (row.seed >> 32, row.seed & 0xFFFFFFFF)
-        output_pos[i] = row.output_pos
-        rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        _fill_token_lists(i, row, max_model_len, history, prompt_lens, suppress, bias_ids,
-                          bias_values)
+        top_k[sel] = [min(p.top_k, _INT32_MAX) for p in ps]
+        top_p[sel] = [p.top_p for p in ps]
+        min_p[sel] = [p.min_p for p in ps]
+        seeds = [r.seed for r in live]
+        rng_key[sel, 0] = [x >> 32 for x in seeds]
+        rng_key[sel, 1] = [x & 0xFFFFFFFF for x in seeds]
+        output_pos[sel] = [r.output_pos for r in live]
+        rep[sel] = [p.repetition_penalty for p in ps]
+        pres[sel] = [p.presence_penalty for p in ps]
+        freq[sel] = [p.frequency_penalty for p in ps]
+    if penalised or not is_constant_array(suppress) or not is_constant_array(bias_ids):
+        for i, row in zip(idx, live):
+            _fill_token_lists(i, row, max_model_len, history, prompt_lens, suppress,
+                              bias_ids, bias_values)
+    for i, row in zip(idx, live) if not is_constant_array(bitmask) else ():
         if row.allowed is not None:
             if vocab_size is None:
                 raise ValueError(f"rows[{i}] has a grammar bitmask but make_sampling_metadata "

@@ -346,13 +346,11 @@ def plan_sampling_metadata(out: SchedulerOutput, states: list[CachedRequestState
     masks = out.grammar.rows() if out.grammar is not None else {}
     errors = {rid: RowError(msg) for rid, msg in
               (out.grammar.errors.items() if out.grammar is not None else ())}
-    rows: list[SamplingRow | None] = []
-    for sr, r in zip(out.scheduled, states):
-        rows.append(None if r is None or sr.request_id in errors else SamplingRow(
-            params=r.sampling_params, seed=r.seed, output_pos=sr.output_pos,
-            prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
-            eos_token_ids=r.eos_token_ids,
-            allowed=masks.get(sr.request_id) if sr.sample else None))
+    rows: list[SamplingRow | None] = [  # (positional: one per row per step)
+        None if r is None or sr.request_id in errors else SamplingRow(
+            r.sampling_params, r.seed, sr.output_pos, r.prompt_token_ids, r.output_token_ids,
+            r.eos_token_ids, masks.get(sr.request_id) if masks and sr.sample else None)
+        for sr, r in zip(out.scheduled, states)]
     try:
         return make_sampling_metadata(rows, num_rows=out.seq_bucket, max_model_len=M,
                                       vocab_size=V), errors

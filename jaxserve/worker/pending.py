@@ -40,10 +40,12 @@ class ModelPending:
         ids, lps, top_ids, top_lps, scored = r.tp.fetch(self.launched)  # waits for the programs
         self.launched = None
         r.stats().record_step(out.token_bucket, out.seq_bucket)
-        for i, sr in enumerate(out.scheduled):
-            if sr.sample and not isinstance(results.get(sr.request_id), RowError):
-                results[sr.request_id] = SampledToken.make(int(ids[i]), float(lps[i]),
-                                                           top_ids[i], top_lps[i])
+        make, get = SampledToken.make, results.get
+        # Python ints and floats, and row views, made by NumPy in one call each
+        for sr, t, lp, ti, tl in zip(out.scheduled, ids.tolist(), lps.tolist(), list(top_ids),
+                                     list(top_lps)):
+            if sr.sample and not isinstance(get(sr.request_id), RowError):
+                results[sr.request_id] = make(t, lp, ti, tl)
         if self.plan is not None:
             merge_scores(results, split_scores(self.plan, *scored))
         r.requests.record(out.scheduled, results)
