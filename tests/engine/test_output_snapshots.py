@@ -18,7 +18,7 @@ import pytest
 from conftest import tiny_tokenizer
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
-from jaxserve.outputs import CompletionOutput, ListPrefix
+from jaxserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.scheduler.output import ScheduledRequest
 from jaxserve.worker.fake_runner import FakeRunner, default_token
@@ -44,6 +44,63 @@ def test_fast_constructors_equal_the_dataclass_constructors():
     assert SampledToken.make(7, -0.5, a, b).prompt is None
     assert ScheduledRequest.make("r", (1, 2), 3, (4,), True, 2) == ScheduledRequest(
         "r", (1, 2), 3, (4,), True, 2)
+    comps, metrics = [ref], RequestMetrics(1.5)
+    made = RequestOutput.make("q", "hi", [1, 2], comps, False, metrics)
+    built = RequestOutput("q", "hi", [1, 2], comps, False, metrics)
+    assert made == built and repr(made) == repr(built)
+    assert dataclasses.asdict(made) == dataclasses.asdict(built)
+    assert made.prompt_logprobs is None and made.prompt_token_logprobs is None
+
+
+def _run_recording(direct: bool, kind: RequestOutputKind) -> tuple[list, int]:
+    """Every step's outputs of a mixed workload, as plain values, read after the run; and
+    how many outputs `process_tokens` made itself (`_Parent.direct`, on or forced off)."""
+    model = ModelConfig.tiny()
+    config = make_engine_config(model, max_model_len=64, block_size=4, num_kv_blocks=96,
+                                max_num_seqs=4, max_num_batched_tokens=32)
+    V = tiny_tokenizer().vocab_size
+    runner = FakeRunner.for_config(config, build_batches=True, token_fn=lambda req, pos:
+                                   default_token(req.request_id, pos, vocab_size=V))
+    eng = LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False)
+    add, made = eng.outputs.add, [0]
+
+    def add_maybe_direct(p):
+        add(p)
+        parent = eng.outputs._parents[p.request_id]
+        parent.direct = parent.direct and direct
+    eng.outputs.add = add_maybe_direct
+    process = eng.outputs.process_tokens
+
+    def counting(*a, **kw):
+        progressed, fin = process(*a, **kw)
+        made[0] += sum(not isinstance(x, str) for x in progressed)
+        return progressed, fin
+    eng.outputs.process_tokens = counting
+    base = SamplingParams(max_tokens=14, ignore_eos=True, output_kind=kind)
+    eng.add_request("plain", "hello world", base)
+    eng.add_request("stops", "abc", base.replace(stop=["O", "X"]))
+    eng.add_request("lps", "abc", base.replace(logprobs=2))
+    eng.add_request("two", "hi", base.replace(n=2))
+    kept = []
+    for _ in range(3):
+        kept += eng.step()
+    eng.add_request("late", "late one", base.replace(max_tokens=5))
+    while eng.has_unfinished_requests():
+        kept += eng.step()
+    rows = [(o.request_id, o.finished, [dataclasses.asdict(c) for c in o.outputs])
+            for o in kept]
+    return rows, made[0]
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_outputs_made_in_process_tokens_equal_those_made_by_collect(kind):
+    """A one-sample request's output is made in `process_tokens`' pass (`_Parent.direct`)
+    only while nothing later in the step can change it: every step's outputs, every field,
+    equal those of the same run with that path off."""
+    got, made = _run_recording(True, kind)
+    want, none = _run_recording(False, kind)
+    assert none == 0 and made >= 10  # the path ran, and the reference did not take it
+    assert got == want
 
 
 def test_each_steps_output_keeps_its_own_text_and_tokens():

@@ -5,6 +5,7 @@ with the default window (window path) and with top_window=4 (forces the exact bi
 fallback for any k > 4 or a nucleus wider than 4 tokens).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -387,3 +388,24 @@ def test_unwritten_history_and_bitmask_are_shared_constants_sent_once():
     assert da.token_history is db.token_history  # the same device buffer, not a new copy
     assert da.temperature is not db.temperature
     np.testing.assert_array_equal(np.asarray(da.token_history), a.token_history)
+
+
+def test_rows_are_written_where_they_stand_with_padding_rows_among_them():
+    """`make_sampling_metadata` writes a column at once (a slice when the rows are 0..n-1,
+    their indices when padding rows stand among them): each live row's entries equal the
+    one-row metadata of that row alone, and padding rows keep the padding values."""
+    kinds = [None, dict(seed=2**40 + 3, temperature=0.7, top_k=5, top_p=0.8, min_p=0.1),
+             dict(temperature=0.0), None,
+             dict(seed=9, temperature=1.1, repetition_penalty=1.2, presence_penalty=0.3,
+                  frequency_penalty=0.4, min_tokens=6, stop_token_ids=[2],
+                  logit_bias={5: 1.5})]
+    rows = [None if k is None else _row(pos=3 + i, out=(4, 1), eos=(1,), **k)
+            for i, k in enumerate(kinds)]
+    md = _md(rows, num_rows=6)
+    pad = _md([], num_rows=1)
+    for field in dataclasses.fields(md):
+        full = np.asarray(getattr(md, field.name))
+        for i, row in enumerate(rows + [None]):
+            one = np.asarray(getattr(pad if row is None else _md([row], num_rows=1), field.name))
+            np.testing.assert_array_equal(full[i], one[0], err_msg=f"{field.name} row {i}")
+    assert list(md.rng_key[1]) == [2**40 >> 32, 3] and md.top_k[1] == 5
