@@ -156,7 +156,7 @@ for _name, _doc in (("text", "The output text so far."),
 @dataclass(slots=True)
 class RequestOutput:
     """The state of one user request after an engine step (slotted: the engine makes
-    one per request per step, `make`)."""
+    one per request per step, `make`; so it takes no attributes beyond its fields)."""
 
     request_id: str
     prompt: str | None

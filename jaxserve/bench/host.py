@@ -176,7 +176,7 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
     gc.collect()
     gc.freeze()
     saved = gc.get_threshold()
-    gc.set_threshold(gc_young or GC_YOUNG_THRESHOLD, *saved[1:])
+    gc.set_threshold(GC_YOUNG_THRESHOLD if gc_young is None else gc_young, *saved[1:])
     try:
         return _timed_case(engine, rows, device_ms, seconds, real, async_scheduling,
                            stream_interval, placeholders, tokenizer, log)

@@ -75,7 +75,9 @@ class LLMEngine(EngineControl):
         per process (`jaxserve.engine.stats.freeze_gc_heap`, as vLLM does after warm-up in
         its engine process). Off by default: frozen cyclic garbage is never collected, so
         a process that builds and drops engines would keep the first one's memory;
-        `jaxserve serve` / `generate` freeze after their own warm-up.
+        `jaxserve serve` / `generate` freeze after their own warm-up. The same call
+        raises the process's young-generation GC threshold to 50 000 for good
+        (`jaxserve.engine.stats.tune_gc`).
 
     Raises:
       ValueError: neither params nor a runner, or bad EOS ids.

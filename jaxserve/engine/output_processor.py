@@ -243,20 +243,19 @@ class OutputProcessor:
             c = p.children[at[1]]
             try:
                 self._on_token(c, p, tok, now, fin)
+                req, d = c.request, c.detok
+                if (p.direct and req.status is _RUNNING and req.grammar is None
+                        and (d is None or d.plain)):
+                    p.sent = True
+                    progressed.append(make(p.request_id, p.prompt, p.prompt_token_ids,
+                                           [completion(c, p.delta)], False, p.metrics))
+                elif not (p.final_only and req.status is _RUNNING and c.stop_reason is None):
+                    progressed.append(at[0])  # (a live FINAL_ONLY sample has no output yet)
             except Exception as e:  # this request alone fails
                 logger.exception("output processing failed for %s", cid)
                 c.error = f"{type(e).__name__}: {e}"
                 fin.finished.append((cid, RequestStatus.FINISHED_ERROR))
                 progressed.append(at[0])
-                continue
-            req, d = c.request, c.detok
-            if (p.direct and req.status is _RUNNING and req.grammar is None
-                    and (d is None or d.plain)):
-                p.sent = True
-                progressed.append(make(p.request_id, p.prompt, p.prompt_token_ids,
-                                       [completion(c, p.delta)], False, p.metrics))
-            elif not (p.final_only and req.status is _RUNNING and c.stop_reason is None):
-                progressed.append(at[0])  # (a live FINAL_ONLY sample has no output to give)
         return progressed, fin
 
     def _on_token(self, c: _Child, p: _Parent, tok: SampledToken, now: float,

@@ -172,8 +172,8 @@ class FakeRunner:
                  fail_row: RequestPredicate | None = None, kv_lost_on_reset: bool = False,
                  vocab_size: int | None = None, score: bool = True):
         self.scheduler = scheduler
-        self.token_fn = token_fn or (lambda req, pos: default_token(req.request_id, pos))
-        self._default_tokens = token_fn is None  # `_make_tokens` hashes a step at once
+        self._default_fn = lambda req, pos: default_token(req.request_id, pos)
+        self.token_fn = token_fn or self._default_fn
         if scheduler is not None:
             num_kv_blocks = num_kv_blocks or scheduler.kv_cache_manager.num_kv_blocks
             bucket_policy = bucket_policy or scheduler.bucket_policy
@@ -290,7 +290,8 @@ class FakeRunner:
                      plan: Any) -> None:
         """The step's scripted tokens (and prompt scores), made once the steps before it
         have recorded theirs."""
-        if self._default_tokens and not masks and sample:
+        # the default token function (not replaced since): a step hashed at once
+        if self.token_fn is self._default_fn and not masks and sample:
             rids = [sr.request_id for sr, _ in sample]
             self._wrap_tokens(results, rids, default_tokens(rids, [sr.output_pos for sr, _ in sample]))
         else:
