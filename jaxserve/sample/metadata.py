@@ -179,6 +179,21 @@ def _check_rows(idx: list[int], live: list[SamplingRow]) -> None:
                 f"at most MAX_EOS_TOKEN_IDS={MAX_EOS_TOKEN_IDS}")
 
 
+def _fill_bitmask(bitmask: np.ndarray, idx: list[int], live: list[SamplingRow],
+                  vocab_size: int | None) -> None:
+    """Write each grammar row's bitmask into row idx[j] of `bitmask`.
+
+    Raises:
+      ValueError: a grammar row without vocab_size.
+    """
+    for i, row in zip(idx, live):
+        if row.allowed is not None:
+            if vocab_size is None:
+                raise ValueError(f"rows[{i}] has a grammar bitmask but make_sampling_metadata "
+                                 "got no vocab_size for it")
+            bitmask[i] = row.allowed
+
+
 def make_sampling_metadata(
     rows: Sequence[SamplingRow | None], *, num_rows: int, max_model_len: int,
     vocab_size: int | None = None,
@@ -247,12 +262,8 @@ def make_sampling_metadata(
         for i, row in zip(idx, live):
             _fill_token_lists(i, row, max_model_len, history, prompt_lens, suppress,
                               bias_ids, bias_values)
-    for i, row in zip(idx, live) if not is_constant_array(bitmask) else ():
-        if row.allowed is not None:
-            if vocab_size is None:
-                raise ValueError(f"rows[{i}] has a grammar bitmask but make_sampling_metadata "
-                                 "got no vocab_size for it")
-            bitmask[i] = row.allowed
+    if not is_constant_array(bitmask):  # some row has a grammar
+        _fill_bitmask(bitmask, idx, live, vocab_size)
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, rng_key=rng_key,
         output_pos=output_pos, repetition_penalty=rep, presence_penalty=pres,

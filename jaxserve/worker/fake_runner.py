@@ -293,7 +293,8 @@ class FakeRunner:
         # the default token function (not replaced since): a step hashed at once
         if self.token_fn is self._default_fn and not masks and sample:
             rids = [sr.request_id for sr, _ in sample]
-            self._wrap_tokens(results, rids, default_tokens(rids, [sr.output_pos for sr, _ in sample]))
+            ids = default_tokens(rids, [sr.output_pos for sr, _ in sample])
+            self._wrap_tokens(results, rids, ids)
         else:
             for sr, req in sample:
                 results[sr.request_id] = self._token(req, sr.output_pos, masks.get(sr.request_id))

@@ -122,15 +122,14 @@ class RequestStates(dict):
 
     def _sync_blocks(self, st: CachedRequestState, ids) -> None:
         """Make st's table row hold `ids` (clipped to P; build_batch rejects a longer
-        list), writing only the new tail when the known prefix is unchanged."""
+        list), writing only the new tail when the known prefix is unchanged (`update`
+        skips the call for a row whose blocks did not change)."""
         k = st.num_blocks
         n = min(len(ids), self.block_table.shape[1])
         if not st.slot:
             st.slot = self._slot()
         table = self.block_table
-        if n == k and (not k or st.last_block == ids[k - 1]):
-            return
-        if n < k or (k and table[st.slot, k - 1] != ids[k - 1]):  # not an extension
+        if n < k or (k and st.last_block != ids[k - 1]):  # not an extension
             table[st.slot, :k] = 0
             k = 0
         table[st.slot, k:n] = ids[k:n]
