@@ -11,7 +11,8 @@ block_size=16, max_model_len=2048)`, an `LLMEngine` over
 device is a FIFO queue (step k starts at max(its dispatch, the end of step k-1) and
 ends D later; fetching waits, using no CPU), SmolLM2's real tokenizer detokenizing
 every token, N requests of one chat prompt with `max_tokens=1900`, greedy,
-`ignore_eos`. Once all N are decoding, the engine is timed over `--seconds`.
+`ignore_eos`. Once all N are decoding, the engine is timed over `--seconds` (shortened,
+and said, where the requests would finish inside it: 70% of the steps they have left).
 
 Per case it prints: tokens per request per second (the goal is 1000 / D), the step
 period, host time per step and per row (the step period minus the time `step()` was
@@ -159,6 +160,9 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
     clock.wrap(runner, "execute", "runner_host")  # plans with no rows
 
 
+_PROBE_STEPS = 20  # untimed steps that estimate the period before a case's window
+
+
 def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokenizer: Any,
              async_scheduling: bool = True, stream_interval: int = 1,
              placeholders: bool = True, gc_young: int | None = None,
@@ -203,6 +207,16 @@ def _timed_case(engine: Any, rows: int, device_ms: float, seconds: float, real: 
         return all(r.num_output_tokens for r in live)
     while not decoding():
         engine.step()  # the prefills
+    # The window must end before the requests do (max_tokens=1900: 1.9 s at D = 1 ms once
+    # the period reaches D): shortened to 70% of the steps they have left at the period
+    # of a few untimed steps (the margin: a timed period up to 30% shorter than theirs).
+    t = time.perf_counter()
+    for _ in range(_PROBE_STEPS):
+        engine.step()
+    left = min(sp.max_tokens - engine.scheduler.get_request(r).num_output_tokens for r in ids)
+    window = min(seconds, 0.7 * left * (time.perf_counter() - t) / _PROBE_STEPS)
+    if window < seconds:
+        log(f"  window {window:.2f} s, not {seconds:g} s: the requests have {left} tokens left")
     clock = PhaseClock()
     _instrument(engine, clock)
     runner = engine.runner
@@ -210,7 +224,7 @@ def _timed_case(engine: Any, rows: int, device_ms: float, seconds: float, real: 
     wait0 = getattr(runner, "device_wait_s", 0.0)
     n0 = {r: engine.scheduler.get_request(r).num_output_tokens for r in ids}
     steps, t0, cpu0 = 0, time.perf_counter(), time.thread_time()
-    while time.perf_counter() - t0 < seconds:
+    while time.perf_counter() - t0 < window:
         engine.step()
         steps += 1
     wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
