@@ -16,9 +16,10 @@ What it does (issue 11, item 1; the method of `../shared/bench/BASELINES.md`):
    its default f16 KV, with f32 KV, and on the original file; jaxserve fp32 and with
    the file's quantization kept) on 127.0.0.1 with equal KV capacity in tokens:
    llama.cpp with `--parallel N -kvu -c T -t 2` (one pool shared by all slots, like
-   jaxserve's paged pool) and jaxserve with `--max_num_seqs N --num_kv_blocks T/block+1`
-   `--warmup=full` (every program built before the first request, none compiling in
-   the background during a case; --jaxserve_extra=--warmup=... overrides it). T is jaxserve's default pool rounded up to
+   jaxserve's paged pool) and jaxserve with `--max_num_seqs N --num_kv_blocks T/block+1
+   --warmup=full` (every program built before the first request, none compiling in the
+   background during a case; a --warmup in --jaxserve_extra or --jaxserve_cmd overrides
+   it). T is jaxserve's default pool rounded up to
    llama.cpp's 256-token context granularity, so both hold exactly T tokens.
    Each case gets fresh servers: no prefix cache carries over between traces
    and the peak RSS (VmHWM) belongs to that one load. With --reuse_server each case

@@ -11,8 +11,8 @@ block_size=16, max_model_len=2048)`, an `LLMEngine` over
 device is a FIFO queue (step k starts at max(its dispatch, the end of step k-1) and
 ends D later; fetching waits, using no CPU), SmolLM2's real tokenizer detokenizing
 every token, N requests of one chat prompt with `max_tokens=1900`, greedy,
-`ignore_eos`. Once all N are decoding, the engine is timed over `--seconds` (shortened,
-and said, where the requests would finish inside it: 70% of the steps they have left).
+`ignore_eos`. Once all N are decoding, the engine is timed over `--seconds` (ended
+early, and said, after one step fewer than the tokens the requests have left).
 
 Per case it prints: tokens per request per second (the goal is 1000 / D), the step
 period, host time per step and per row (the step period minus the time `step()` was
@@ -160,9 +160,6 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
     clock.wrap(runner, "execute", "runner_host")  # plans with no rows
 
 
-_PROBE_STEPS = 20  # untimed steps that estimate the period before a case's window
-
-
 def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokenizer: Any,
              async_scheduling: bool = True, stream_interval: int = 1,
              placeholders: bool = True, gc_young: int | None = None,
@@ -207,16 +204,6 @@ def _timed_case(engine: Any, rows: int, device_ms: float, seconds: float, real: 
         return all(r.num_output_tokens for r in live)
     while not decoding():
         engine.step()  # the prefills
-    # The window must end before the requests do (max_tokens=1900: 1.9 s at D = 1 ms once
-    # the period reaches D): shortened to 70% of the steps they have left at the period
-    # of a few untimed steps (the margin: a timed period up to 30% shorter than theirs).
-    t = time.perf_counter()
-    for _ in range(_PROBE_STEPS):
-        engine.step()
-    left = min(sp.max_tokens - engine.scheduler.get_request(r).num_output_tokens for r in ids)
-    window = min(seconds, 0.7 * left * (time.perf_counter() - t) / _PROBE_STEPS)
-    if window < seconds:
-        log(f"  window {window:.2f} s, not {seconds:g} s: the requests have {left} tokens left")
     clock = PhaseClock()
     _instrument(engine, clock)
     runner = engine.runner
@@ -224,10 +211,16 @@ def _timed_case(engine: Any, rows: int, device_ms: float, seconds: float, real: 
     wait0 = getattr(runner, "device_wait_s", 0.0)
     n0 = {r: engine.scheduler.get_request(r).num_output_tokens for r in ids}
     steps, t0, cpu0 = 0, time.perf_counter(), time.thread_time()
-    while time.perf_counter() - t0 < window:
+    # The window ends before the requests do (max_tokens=1900: 1.9 s at D = 1 ms once the
+    # period reaches D): at most one step fewer than the tokens they have left.
+    left = min(sp.max_tokens - n for n in n0.values())
+    while time.perf_counter() - t0 < seconds and steps < left - 1:
         engine.step()
         steps += 1
     wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    if steps >= left - 1:
+        log(f"  window {wall:.2f} s, not {seconds:g} s: ended after {steps} steps, one fewer "
+            f"than the {left} tokens the requests had left")
     live = [engine.scheduler.get_request(r) for r in ids]
     if any(r is None for r in live):
         raise RuntimeError("a request finished inside the timed window: lower --seconds")

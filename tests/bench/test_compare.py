@@ -240,9 +240,12 @@ def test_server_commands_give_equal_kv(tmp_path):
     # every program built before a case (none compiling in the background during it),
     # unless --jaxserve_extra names a --warmup of its own
     assert js.count("--warmup=full") == 1
-    a, _ = cmp.resolve_args(["--case=16:seed8:burst", "--jaxserve_extra=--warmup=progressive"])
-    js = cmp.server_command("jaxserve", a, 16, plan, 9002)
-    assert "--warmup=progressive" in js and "--warmup=full" not in js
+    for flags in (["--jaxserve_extra=--warmup=progressive"],
+                  ["--jaxserve_extra=--warmup", "--jaxserve_extra=progressive"],
+                  ["--jaxserve_cmd=jaxserve serve --warmup=progressive"]):
+        a, _ = cmp.resolve_args(["--case=16:seed8:burst", *flags])
+        js = cmp.server_command("jaxserve", a, 16, plan, 9002)
+        assert "--warmup=full" not in js and "progressive" in " ".join(js), flags
 
 
 def test_a_reused_llama_server_can_erase_its_slots(tmp_path):
