@@ -17,16 +17,14 @@ What it does (issue 11, item 1; the method of `../shared/bench/BASELINES.md`):
    the file's quantization kept) on 127.0.0.1 with equal KV capacity in tokens:
    llama.cpp with `--parallel N -kvu -c T -t 2` (one pool shared by all slots, like
    jaxserve's paged pool) and jaxserve with `--max_num_seqs N --num_kv_blocks T/block+1
-   --warmup=full` (every program built before the first request, none compiling in the
-   background during a case; a --warmup in --jaxserve_extra or --jaxserve_cmd overrides
-   it). T is jaxserve's default pool rounded up to
-   llama.cpp's 256-token context granularity, so both hold exactly T tokens.
-   Each case gets fresh servers: no prefix cache carries over between traces
-   and the peak RSS (VmHWM) belongs to that one load. With --reuse_server each case
-   still starts cold (jaxserve's and vLLM's POST /reset_prefix_cache, llama.cpp's
-   slot erase) unless --warm_cases.
-   Background load collapses llama.cpp's threads, so a load average above 1 before a
-   case is printed as a WARNING and kept in its record.
+   --warmup=full` (no program compiling during a case; a --warmup given overrides it).
+   T is jaxserve's default pool rounded up to llama.cpp's 256-token context
+   granularity, so both hold exactly T tokens. Each case gets fresh servers: no prefix
+   cache carries over between traces and the peak RSS (VmHWM) belongs to that one load.
+   With --reuse_server each case still starts cold (jaxserve's and vLLM's POST
+   /reset_prefix_cache, llama.cpp's slot erase) unless --warm_cases. Background load
+   collapses llama.cpp's threads, so a load average above 1 before a case is printed as
+   a WARNING and kept in its record.
 4. Drives both with the same `jaxserve bench serve` client (streaming chat,
    greedy, `ignore_eos`, exact `max_tokens`), records `uptime` before and
    after each run, stops each server by its PID, prints one table with the
