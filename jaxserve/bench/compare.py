@@ -25,10 +25,9 @@ What it does (issue 11, item 1; the method of `../shared/bench/BASELINES.md`):
    /reset_prefix_cache, llama.cpp's slot erase) unless --warm_cases. Background load
    collapses llama.cpp's threads, so a load average above 1 before a case is printed as
    a WARNING and kept in its record.
-4. Drives both with the same `jaxserve bench serve` client (streaming chat,
-   greedy, `ignore_eos`, exact `max_tokens`), records `uptime` before and
-   after each run, stops each server by its PID, prints one table with the
-   ratios jaxserve / llama.cpp per `compare_configs.PAIRS` and writes a JSON.
+4. Drives both with the same `jaxserve bench serve` client (streaming chat, greedy,
+   `ignore_eos`, exact `max_tokens`), records `uptime` before and after each run, stops each
+   server by PID, prints one table of jaxserve / llama.cpp per `compare_configs.PAIRS`, writes a JSON.
 
 Servers never outlive this process: they are stopped by PID in a `finally`,
 SIGTERM/SIGHUP are turned into a normal exit so that `finally` runs, and each
