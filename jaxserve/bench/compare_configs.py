@@ -82,11 +82,10 @@ def server_command(name: str, args: argparse.Namespace, num_seqs: int, plan: Any
                 "--no-webui"]
     # jaxserve dequantizes the original file for fp32 (the same weights as llama.cpp's F32
     # requantization of it), or keeps its blocks. --warmup=full: a server that compiles its
-    # programs otherwise reports ready after the small
-    # buckets and compiles the rest in the background, beside the case being measured
-    # (seed8 ran at 65 tok/s against 80-84 restored, and a mean TTFT of 2.24 s against
-    # 0.83). A --warmup in --jaxserve_cmd or --jaxserve_extra is kept instead.
-    # (The extras come last, and absl keeps a flag's last value.)
+    # programs otherwise reports ready after the small buckets and compiles the rest in the
+    # background, beside the case being measured (seed8 ran at 65 tok/s against 80-84
+    # restored, and a mean TTFT of 2.24 s against 0.83). A --warmup in --jaxserve_cmd or
+    # --jaxserve_extra is kept instead (the extras come last; absl keeps a flag's last value).
     cmd = shlex.split(args.jaxserve_cmd)
     named = any(f.lstrip("-").split("=")[0] == "warmup" for f in [*cmd, *args.jaxserve_extra])
     warm = [] if named else ["--warmup=full"]

@@ -223,7 +223,8 @@ def _timed_case(engine: Any, rows: int, device_ms: float, seconds: float, real: 
             f"than the {left} tokens the requests had left")
     live = [engine.scheduler.get_request(r) for r in ids]
     if any(r is None for r in live):
-        raise RuntimeError("a request finished inside the timed window: lower --seconds")
+        raise RuntimeError("a request finished inside the timed window (the window ends before "
+                           "its tokens run out: see the engine's log)")
     gained = [r.num_output_tokens - n0[r.request_id] for r in live]
     # device: its busy time; wait: the engine's time blocked on it (the fake's sleep can
     # overrun D when the OS wakes it late: that is waiting, not host work).

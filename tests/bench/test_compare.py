@@ -238,7 +238,7 @@ def test_server_commands_give_equal_kv(tmp_path):
         assert part in js, part
     assert "--quantization=auto" in cmp.server_command("jaxserve gguf", a, 16, plan, 9002)
     # every program built before a case (none compiling in the background during it),
-    # unless --jaxserve_extra names a --warmup of its own
+    # unless --jaxserve_extra or --jaxserve_cmd names a --warmup of its own
     assert js.count("--warmup=full") == 1
     for flags in (["--jaxserve_extra=--warmup=progressive"],
                   ["--jaxserve_extra=--warmup", "--jaxserve_extra=progressive"],
