@@ -85,9 +85,10 @@ class CompletionOutput:
     def snapshot(cls, index: int, text: Any, token_ids: Any, delta_text: str,
                  delta_token_ids: list[int], logprobs: Any, delta_logprobs: Any,
                  token_logprobs: Any, cumulative_logprob: float, finish_reason: str | None,
-                 stop_reason: int | str | None, error: str | None) -> "CompletionOutput":
-        """The constructor's result for these fields (`token_weight_versions` empty), a
-        `ListPrefix` stored as is, built without the dataclass's per-field property
+                 stop_reason: int | str | None, error: str | None,
+                 token_weight_versions: Any = None) -> "CompletionOutput":
+        """The constructor's result for these fields (`token_weight_versions` None: empty),
+        a `ListPrefix` stored as is, built without the dataclass's per-field property
         setters: the engine makes one per row per step."""
         self = object.__new__(cls)
         self.__dict__ = {
@@ -95,7 +96,9 @@ class CompletionOutput:
             "delta_token_ids": delta_token_ids, "_logprobs": logprobs,
             "delta_logprobs": delta_logprobs, "_token_logprobs": token_logprobs,
             "cumulative_logprob": cumulative_logprob, "finish_reason": finish_reason,
-            "stop_reason": stop_reason, "error": error, "_token_weight_versions": []}
+            "stop_reason": stop_reason, "error": error,
+            "_token_weight_versions": [] if token_weight_versions is None
+            else token_weight_versions}
         return self
 
     @property
@@ -121,6 +124,32 @@ class ListPrefix:
 
     def materialize(self) -> list:
         return self.base[:self.n]
+
+
+class VersionRuns(ListPrefix):
+    """Entries [start, n) of a list kept run-length encoded, expanded only when read.
+
+    `base` is a list of (first index, value) runs in increasing index order, only ever
+    appended to with indices >= every `n` handed out, so a `VersionRuns` made at one step
+    reads the same later. A sample's weight versions (`token_weight_versions`, issue 28)
+    change only at a weight update, so the engine records a run per update, not an entry
+    per token.
+    """
+
+    __slots__ = ("start",)
+
+    def __init__(self, runs: list[tuple[int, int]], n: int, start: int = 0):
+        super().__init__(runs, n)
+        self.start = start
+
+    def materialize(self) -> list:
+        runs, n, out = self.base, self.n, []
+        for j, (first, value) in enumerate(runs):
+            if first >= n:
+                break
+            end = runs[j + 1][0] if j + 1 < len(runs) else n
+            out += [value] * (min(end, n) - first)
+        return out[self.start:]
 
 
 def _lazy_list(name: str, doc: str) -> property:

@@ -187,6 +187,9 @@ def test_generate_assembles_only_final_outputs_and_stream_every_step(llm_a, monk
     real = OutputProcessor._completion
     monkeypatch.setattr(OutputProcessor, "_completion",
                         staticmethod(lambda c, *a: built.append(c.index) or real(c, *a)))
+    direct = OutputProcessor._direct_output  # a one-sample stream's outputs, in one pass
+    monkeypatch.setattr(OutputProcessor, "_direct_output",
+                        lambda self, c, *a: built.append(c.index) or direct(self, c, *a))
     outs = llm_a.generate(list(PROMPTS), GREEDY, use_tqdm=False)
     assert len(built) == len(PROMPTS) and all(o.finished for o in outs)
     built.clear()

@@ -42,13 +42,12 @@ from jaxserve.engine.lora import EngineLoRA
 from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
 from jaxserve.engine.stats import engine_stats, freeze_gc_heap
 from jaxserve.engine.pause import Pauser, check_mode
-from jaxserve.engine.provenance import WeightProvenance
 from jaxserve.engine.sleep import Sleeper
 from jaxserve.outputs import RequestOutput
 from jaxserve.scheduler.request import RequestStatus
 from jaxserve.worker.runner import (DoneStep, PendingStep, RowError, Runner,
                                     SampledToken)
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.scheduler import Scheduler
 
@@ -109,7 +108,6 @@ class LLMEngine(EngineControl):
         self.last_step_tokens = 0
         self.num_aborted = 0
         self.num_failed_steps = 0
-        self.weight_version = 0  # +1 per successful update_params
         self._pending: list[RequestOutput] = []  # outputs of requests update_params failed
         self.async_scheduling = self.config.async_scheduling  # may be flipped between steps
         # (plan, PendingStep) of the step dispatched and not yet fetched (async scheduling)
@@ -117,7 +115,6 @@ class LLMEngine(EngineControl):
         self._ahead_raised = False  # planning ahead raised: apply the step in flight alone
         self.pauser = Pauser(self.scheduler, self.outputs,
                              lambda: self._step(overlap=False))  # issue 28
-        self.provenance = WeightProvenance()  # issue 28: token_weight_versions
         self.sleeper = Sleeper(self.scheduler, self.pauser, self.runner)  # issue 28: sleep
         self.lora = EngineLoRA(self)  # issue 27: adapters, slots, update_lora
         self.grammars = None  # structured_output.GrammarCompiler (llguidance), with a tokenizer
@@ -174,8 +171,6 @@ class LLMEngine(EngineControl):
             fut = self.grammars.submit(so.spec)
         if not has_slot or (fut is not None and not fut.done()):  # held: `_admit_compiled`
             self.outputs.add(p)  # queues it once compiled and its adapter has a slot
-            self.provenance.add(p.request_id, [c.request_id for c in p.children],
-                                self.weight_version, delta=_is_delta(p))
             self._awaiting_grammar[p.request_id] = (p, fut)
             self.prompt_tokens_total += len(p.prompt_token_ids)
             return p.prompt_token_ids
@@ -201,8 +196,6 @@ class LLMEngine(EngineControl):
                 self.scheduler.abort(cid)
             raise
         if not tracked:
-            self.provenance.add(p.request_id, [c.request_id for c in p.children],
-                                self.weight_version, delta=_is_delta(p))
             self.outputs.add(p)
             self.prompt_tokens_total += len(p.prompt_token_ids)
 
@@ -245,8 +238,8 @@ class LLMEngine(EngineControl):
         if self._awaiting_grammar:
             pending += self._admit_compiled()
         if self._inflight is None and (self.pauser.paused or self.sleeper.is_sleeping):
-            return self.provenance.fill(pending)  # nothing is scheduled until resume / wake_up
-        return self.provenance.fill(pending + self._step())
+            return pending  # nothing is scheduled until resume / wake_up
+        return pending + self._step()
 
     def _step(self, overlap: bool | None = None) -> list[RequestOutput]:
         """One iteration: plan and dispatch a step unless one is in flight, fetch its
@@ -306,7 +299,6 @@ class LLMEngine(EngineControl):
             logger.warning("dispatching the step planned ahead failed (%s: %s); planning it "
                            "again", type(ahead_failed[1]).__name__, ahead_failed[1])
             self.scheduler.unschedule(ahead_failed[0])
-        self.provenance.record(sampled, self.weight_version)
         grammar = self.grammars is not None and self.grammars.num_compiled
         # A row that sampled under a grammar must accept its token before its next mask:
         # after such a step the next is planned only once the matchers have advanced.
@@ -456,7 +448,6 @@ class LLMEngine(EngineControl):
         if children is None:
             return False
         self._awaiting_grammar.pop(request_id, None)  # held for its grammar: never queued
-        self.provenance.drop(request_id)
         for req in children:
             self.scheduler.abort(req.request_id)
         self.num_aborted += 1
@@ -466,10 +457,20 @@ class LLMEngine(EngineControl):
         """Abort the requests that started under a weight version older than
         `version` (issue 28; SGLang has a draft of the same); return their ids.
         Requests started at `version` or later go on untouched."""
-        ids = self.provenance.older_than(version)
+        ids = self.outputs.older_than(version)
         for rid in ids:
             self.abort(rid)
         return ids
+
+    @property
+    def weight_version(self) -> int:
+        """+1 per successful `update_params` (issue 28): each completion's
+        `token_weight_versions` holds it per token (kept by the output processor)."""
+        return self.outputs.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.outputs.weight_version = version
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is live or a finished one's output awaits `step()`."""
@@ -479,6 +480,3 @@ class LLMEngine(EngineControl):
         """Counters and gauges for metrics endpoints and benchmark summaries."""
         return engine_stats(self)
 
-
-def _is_delta(p: ProcessedRequest) -> bool:
-    return p.children[0].sampling_params.output_kind == RequestOutputKind.DELTA

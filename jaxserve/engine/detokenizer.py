@@ -169,7 +169,12 @@ class IncrementalDetokenizer:
         if not 0 <= t < self._vocab:
             raise ValueError(f"token id {t} outside [0, vocab_size={self._vocab})")
         self._ids.append(t)
-        chunk = self._stream_step(t)
+        try:  # `_stream_step`, inlined (one call a row a step)
+            chunk = self._stream.step(self._backend, t)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # noqa: BLE001 - pyo3's PanicException is a BaseException
+            self._stream = chunk = None
         if chunk is None:
             if self._stream is not None and len(self._ids) - self._read_offset <= _MAX_PENDING:
                 return ""

@@ -21,7 +21,8 @@ import numpy as np
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.input_processor import ProcessedRequest
 from jaxserve.sampling_params import RequestOutputKind
-from jaxserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
+from jaxserve.outputs import (CompletionOutput, ListPrefix, RequestMetrics, RequestOutput,
+                              VersionRuns)
 from jaxserve.scheduler.request import Request, RequestStatus
 from jaxserve.worker.runner import PromptLogprobs, SampledToken
 from jaxserve.scheduler.output import SchedulerOutput
@@ -60,6 +61,10 @@ class _Child:
     delta_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, float]] = field(default_factory=list)
     final_sent: bool = False  # an output carrying this sample's finish has been collected
+    # Issue 28: (first token index, weight version) runs of the versions its tokens were
+    # sampled under (`VersionRuns`); `version` is the last run's.
+    version_runs: list[tuple[int, int]] = field(default_factory=list)
+    version: int | None = None
 
 
 @dataclass
@@ -95,6 +100,7 @@ class _Parent:
     # One sample, no logprobs, no prompt scores, every token an output: while its sample
     # runs without a grammar or stop strings, `process_tokens` makes its output at once.
     direct: bool = False
+    started_version: int = 0  # the weight version live when the request was added (issue 28)
 
 
 def _fewer_than(p: _Parent, k: int) -> bool:
@@ -111,6 +117,9 @@ class OutputProcessor:
       tokenizer: for the detokenizers; None means token ids only (no text).
       stream_interval: vLLM's: a live request's next output waits until one of its samples
         has this many new tokens (its first output and its final one are never held).
+
+    `weight_version` (the engine's, `LLMEngine.weight_version`) is the version a token
+    processed now was sampled under: each completion's `token_weight_versions`.
     """
 
     def __init__(self, tokenizer: Any, *, stream_interval: int = 1):
@@ -119,6 +128,7 @@ class OutputProcessor:
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[str, int]] = {}
         self.generation_tokens_total = 0
+        self.weight_version = 0
 
     # ------------------------------------------------------------ bookkeeping
     def add(self, p: ProcessedRequest) -> None:
@@ -135,7 +145,8 @@ class OutputProcessor:
         self._parents[p.request_id] = _Parent(p.request_id, p.prompt, p.prompt_token_ids, children,
                                               RequestMetrics(p.arrival_time),
                                               final_only=kind == RequestOutputKind.FINAL_ONLY,
-                                              delta=kind == RequestOutputKind.DELTA)
+                                              delta=kind == RequestOutputKind.DELTA,
+                                              started_version=self.weight_version)
         start = p.children[0].logprob_start
         parent = self._parents[p.request_id]
         parent.direct = (len(children) == 1 and not parent.final_only and start is None
@@ -146,6 +157,10 @@ class OutputProcessor:
             self._parents[p.request_id].scores = _PromptScores(
                 start, k, np.full(P, np.nan, np.float32), np.zeros((P, w), np.int32),
                 np.zeros((P, w), np.float32), np.zeros(P, bool))
+
+    def older_than(self, version: int) -> list[str]:
+        """Ids of the live user requests added under a weight version < `version`."""
+        return [rid for rid, p in self._parents.items() if p.started_version < version]
 
     def live_ids(self) -> frozenset[str]:
         """Every live user request id and child id (a snapshot, handed on as data)."""
@@ -242,10 +257,16 @@ class OutputProcessor:
             p = all_parents[at[0]]
             c = p.children[at[1]]
             try:
+                if p.direct:  # the common case in one pass (`_direct_output`)
+                    req, d = c.request, c.detok
+                    if (req.status is _RUNNING and req.grammar is None and d is not None
+                            and d.plain):
+                        progressed.append(self._direct_output(c, p, tok, now))
+                        continue
                 self._on_token(c, p, tok, now, fin)
                 req, d = c.request, c.detok
                 if (p.direct and req.status is _RUNNING and req.grammar is None
-                        and (d is None or d.plain)):
+                        and d is None):  # (no tokenizer; else `_direct_output` above)
                     p.sent = True
                     progressed.append(make(p.request_id, p.prompt, p.prompt_token_ids,
                                            [completion(c, p.delta)], False, p.metrics))
@@ -258,9 +279,54 @@ class OutputProcessor:
                 progressed.append(at[0])
         return progressed, fin
 
+    def _direct_output(self, c: _Child, p: _Parent, tok: SampledToken, now: float
+                       ) -> RequestOutput:
+        """`_on_token` then `RequestOutput.make` of `[_completion(c, p.delta)]` for the
+        sample of a `_Parent.direct` request that runs with a plain detokenizer and no
+        grammar (checked by the caller), in one pass: the same fields, the same order of
+        state changes (a detokenizer error leaves the sample as `_on_token` would)."""
+        self.generation_tokens_total += 1
+        if c.version != self.weight_version:
+            c.version = v = self.weight_version
+            c.version_runs.append((len(c.token_logprobs), v))
+        m = p.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.append(now)  # (one sample: c.index == 0)
+        tid, lp = tok.token_id, tok.logprob
+        c.cumulative_logprob += lp
+        tlp = c.token_logprobs
+        tlp.append(lp)
+        d = c.detok
+        try:
+            text = d.update_one(tid)
+        except Exception:
+            c.delta_ids.append(tid)  # where `_on_token` had put it; the caller fails the sample
+            raise
+        p.sent = True
+        if p.delta:
+            k = len(tlp)
+            comp = CompletionOutput.snapshot(
+                c.index, text, [tid], text, [tid], None, None, [lp], c.cumulative_logprob,
+                None, c.stop_reason, c.error, VersionRuns(c.version_runs, k, k - 1))
+        else:
+            full, n = d.text, d.num_emitted
+            ids = c.request.output_token_ids
+            k = len(ids)
+            comp = CompletionOutput.snapshot(
+                c.index, full if n == len(full) else ListPrefix(full, n),
+                ListPrefix(ids, k), text, [tid], None, None, ListPrefix(tlp, len(tlp)),
+                c.cumulative_logprob, None, c.stop_reason, c.error,
+                VersionRuns(c.version_runs, k))
+        return RequestOutput.make(p.request_id, p.prompt, p.prompt_token_ids, [comp], False,
+                                  p.metrics)
+
     def _on_token(self, c: _Child, p: _Parent, tok: SampledToken, now: float,
                   fin: FinishRequests) -> None:
         self.generation_tokens_total += 1
+        if c.version != self.weight_version:
+            c.version = v = self.weight_version
+            c.version_runs.append((len(c.token_logprobs), v))
         if p.metrics.first_token_time is None:
             p.metrics.first_token_time = now
         if c.index == 0:
@@ -386,6 +452,7 @@ class OutputProcessor:
         # equals a copy made now. `snapshot` skips the dataclass's per-field setters.
         # RequestOutputKind.DELTA (vLLM's): text, token_ids, logprobs and token_logprobs
         # hold only what is new since the last output (cumulative_logprob stays cumulative).
+        # token_weight_versions: a `VersionRuns` view of the sample's version runs.
         # The text is a str: when all of it is emitted (no stop-string hold-back) it is
         # handed out as is, else as a ListPrefix of its emitted part.
         ids, req, d, lps, tlp = (c.request.output_token_ids, c.request, c.detok, c.logprobs,
@@ -393,7 +460,9 @@ class OutputProcessor:
         if delta:
             tids, lp = list(c.delta_ids), None if lps is None else list(c.delta_logprobs)
             text = c.delta_text
-            tlp = tlp[len(tlp) - len(tids):]
+            k = len(tlp)
+            tlp = tlp[k - len(tids):]
+            versions = VersionRuns(c.version_runs, k, k - len(tids))
         else:
             if d is None:
                 text = ""
@@ -403,11 +472,12 @@ class OutputProcessor:
                     text = ListPrefix(text, n)
             tids, tlp = ListPrefix(ids, len(ids)), ListPrefix(tlp, len(tlp))
             lp = None if lps is None else ListPrefix(lps, len(lps))
+            versions = VersionRuns(c.version_runs, len(ids))
         reason = req.finish_reason
         out = CompletionOutput.snapshot(
             c.index, text, tids, c.delta_text, c.delta_ids, lp,
             None if lps is None else c.delta_logprobs, tlp, c.cumulative_logprob,
-            reason, c.stop_reason, c.error)
+            reason, c.stop_reason, c.error, versions)
         c.delta_text, c.delta_ids = "", []
         if lps is not None:
             c.delta_logprobs = []

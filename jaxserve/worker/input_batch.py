@@ -161,16 +161,14 @@ class RequestStates(dict):
         get, sync = self.get, self._sync_blocks
         for sr in out.scheduled:
             st = get(sr.request_id)
-            if st is not None and len(st.output_token_ids) != sr.output_pos:
-                if len(st.output_token_ids) > sr.output_pos:
+            if st is not None and (n := len(st.output_token_ids)) != sr.output_pos:
+                if n > sr.output_pos:
                     st.truncate(sr.output_pos)
-                elif (len(st.output_token_ids) == sr.output_pos - 1
-                      and sr.token_ids[-1] == PLACEHOLDER_TOKEN_ID):
+                elif n == sr.output_pos - 1 and sr.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
                     st.append(PLACEHOLDER_TOKEN_ID)
                 else:
-                    errors[sr.request_id] = (f"the runner holds {len(st.output_token_ids)} "
-                                             f"outputs of {sr.request_id!r}, the plan "
-                                             f"{sr.output_pos}")
+                    errors[sr.request_id] = (f"the runner holds {n} outputs of "
+                                             f"{sr.request_id!r}, the plan {sr.output_pos}")
                     st = None
             elif st is None:
                 errors[sr.request_id] = (f"request {sr.request_id!r} is not among the runner's "

@@ -18,7 +18,8 @@ import pytest
 from conftest import tiny_tokenizer
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine, make_engine_config
-from jaxserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
+from jaxserve.outputs import (CompletionOutput, ListPrefix, RequestMetrics, RequestOutput,
+                              VersionRuns)
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.scheduler.output import ScheduledRequest
 from jaxserve.worker.fake_runner import FakeRunner, default_token
@@ -52,16 +53,21 @@ def test_fast_constructors_equal_the_dataclass_constructors():
     assert made.prompt_logprobs is None and made.prompt_token_logprobs is None
 
 
-def _run_recording(direct: bool, kind: RequestOutputKind) -> tuple[list, int]:
-    """Every step's outputs of a mixed workload, as plain values, read after the run; and
-    how many outputs `process_tokens` made itself (`_Parent.direct`, on or forced off)."""
-    model = ModelConfig.tiny()
-    config = make_engine_config(model, max_model_len=64, block_size=4, num_kv_blocks=96,
-                                max_num_seqs=4, max_num_batched_tokens=32)
+def _fake_engine(max_num_seqs: int) -> LLMEngine:
+    """The tiny config on the fake runner, its tokens inside the tiny tokenizer's vocab."""
+    config = make_engine_config(ModelConfig.tiny(), max_model_len=64, block_size=4,
+                                num_kv_blocks=96, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=32)
     V = tiny_tokenizer().vocab_size
     runner = FakeRunner.for_config(config, build_batches=True, token_fn=lambda req, pos:
                                    default_token(req.request_id, pos, vocab_size=V))
-    eng = LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False)
+    return LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False)
+
+
+def _run_recording(direct: bool, kind: RequestOutputKind) -> tuple[list, int]:
+    """Every step's outputs of a mixed workload, as plain values, read after the run; and
+    how many outputs `process_tokens` made itself (`_Parent.direct`, on or forced off)."""
+    eng = _fake_engine(max_num_seqs=4)
     add, made = eng.outputs.add, [0]
 
     def add_maybe_direct(p):
@@ -286,3 +292,68 @@ def test_prompt_logprobs_come_once_with_delta_outputs(kind):
     assert first[0] is None and len(first) == 4
     assert [{t: round(v, 6) for t, v in e.items()} for e in first[1:]] == [
         {6: -0.2}, {7: -0.3}, {8: -0.4}]
+
+
+def test_version_runs_expand_to_each_token_and_keep_their_step():
+    """`VersionRuns` (hand-computed): runs (first index, version) expand to one version a
+    token, cut at n and from start; a run appended later at an index >= n changes nothing."""
+    runs = [(0, 3)]
+    first = VersionRuns(runs, 2)
+    runs += [(2, 4), (2, 5), (4, 7)]  # two updates before token 2, one before token 4
+    assert first.materialize() == [3, 3]
+    assert VersionRuns(runs, 5).materialize() == [3, 3, 5, 5, 7]
+    assert VersionRuns(runs, 5, 3).materialize() == [5, 7]
+    assert VersionRuns([], 0).materialize() == []
+    c = CompletionOutput.snapshot(0, "", [1, 2], "", [], None, None, [], 0.0, None, None,
+                                  None, VersionRuns(runs, 2))
+    assert c.token_weight_versions == [3, 3]
+    assert isinstance(c._token_weight_versions, list)  # read once, kept
+
+
+def test_each_output_keeps_the_weight_versions_of_its_step():
+    """token_weight_versions through weight updates (two in a row, too) on the fake
+    runner: every output, read after the whole run, holds the engine's version at the
+    step that sampled each of its tokens (CUMULATIVE: all of them; DELTA: the new ones),
+    on the one-pass path (`_Parent.direct`), the stop-string path and n = 2."""
+    eng = _fake_engine(max_num_seqs=8)
+    eng.runner.update_params = lambda params: None  # the fake has no weights to swap
+    base = SamplingParams(max_tokens=12, ignore_eos=True)
+    delta = base.replace(output_kind=RequestOutputKind.DELTA)
+    eng.add_request("cum", "hello world", base)
+    eng.add_request("delta", "hello world", delta)
+    eng.add_request("stops", "abc", base.replace(stop=["\x00never"]))
+    eng.add_request("two", "hi", base.replace(n=2))
+    eng.add_request("two_delta", "hi", delta.replace(n=2))
+    kept = []  # (output, engine version at its step, each completion's num_tokens)
+    step = 0
+    while eng.has_unfinished_requests():
+        if step in (3, 6):
+            eng.update_params(None, in_flight="keep")
+        if step == 6:
+            eng.update_params(None, in_flight="keep")
+        v = eng.weight_version
+        for o in eng.step():
+            kept.append((o, v, [c.num_tokens for c in o.outputs]))
+        step += 1
+    assert eng.weight_version == 3
+    version_of = {}  # (request, sample index) -> version of each token, in order
+    for o, v, counts in kept:
+        for c, n in zip(o.outputs, counts):
+            seen = version_of.setdefault((o.request_id, c.index), [])
+            if o.request_id.endswith("delta"):
+                seen += [v] * n
+            else:
+                seen += [v] * (n - len(seen))
+    for key, versions in version_of.items():
+        assert len(versions) == 12 and set(versions) == {0, 1, 3}, key
+    at = {key: 0 for key in version_of}
+    for o, v, counts in kept:
+        for c in o.outputs:
+            key = (o.request_id, c.index)
+            if o.request_id.endswith("delta"):
+                assert c.token_weight_versions == [v] * len(c.token_ids)
+                new = version_of[key][at[key]:at[key] + len(c.token_ids)]
+                assert c.token_weight_versions == new
+                at[key] += len(c.token_ids)
+            else:
+                assert c.token_weight_versions == version_of[key][:len(c.token_ids)]

@@ -177,27 +177,5 @@ def test_abort_older_than_ends_exactly_the_older(eng):
     assert set(outs) == {"new"}
     c = outs["new"].outputs[0]
     assert c.token_ids == ref_b["a"] and c.token_weight_versions == [v + 1] * N
-    assert used(eng) == 0 and not eng.provenance.started
+    assert used(eng) == 0 and not eng.outputs.older_than(v + 2)
 
-
-def test_provenance_fill_is_o1_and_each_output_keeps_its_step():
-    """`WeightProvenance.fill` hands each completion a view of the version list (no copy
-    per step); a completion read after later steps still shows its own step's versions."""
-    from jaxserve.engine.provenance import WeightProvenance
-    from jaxserve.outputs import CompletionOutput, ListPrefix, RequestOutput
-
-    prov = WeightProvenance()
-    prov.add("r", ["r"], 3)
-    seen = []
-    for step, version in enumerate([3, 3, 4, 4, 4]):
-        prov.record(["r"], version)
-        c = CompletionOutput(index=0, token_ids=list(range(step + 1)))
-        prov.fill([RequestOutput("r", None, [1], [c], finished=False, metrics=None)])
-        assert c._token_weight_versions.base is prov.versions["r"]  # a view, not a copy
-        seen.append(c)
-    assert [c.token_weight_versions for c in seen] == [
-        [3], [3, 3], [3, 3, 4], [3, 3, 4, 4], [3, 3, 4, 4, 4]]
-    assert isinstance(seen[0]._token_weight_versions, list)  # read once, kept
-    short = CompletionOutput(index=0, token_ids=[7, 8])  # fewer tokens than versions
-    short.token_weight_versions = ListPrefix(prov.versions["r"], len(short.token_ids))
-    assert short.token_weight_versions == [3, 3]
