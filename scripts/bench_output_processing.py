@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from jaxserve.bench import host
+from jaxserve.bench import host_common as host
 from jaxserve.checkpoint.loader import load_tokenizer
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.worker.runner import SampledToken

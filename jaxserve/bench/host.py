@@ -45,9 +45,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+from jaxserve.bench.host_common import HostResult, _engine, _row, add_requests
+
 PHASES = ("schedule", "runner_host", "update", "output", "other")
-PROMPT = "Explain in detail how a hash map handles collisions, and compare open addressing " \
-         "with separate chaining."
 
 
 @dataclass
@@ -85,55 +85,6 @@ class PhaseClock:
             self.seconds[k] = 0.0
         self.device = self.launch = 0.0
         self.h2d_bytes = 0
-
-
-@dataclass
-class HostResult:
-    """One case: N running at a device step of D ms (None: the real runner)."""
-
-    runner: str
-    rows: int
-    device_ms: float | None
-    steps: int
-    seconds: float
-    tokens_per_request_per_s: float
-    period_ms: float
-    device_ms_per_step: float
-    host_ms_per_step: float
-    host_us_per_row: float
-    device_idle: float
-    phases_ms_per_step: dict[str, float]
-    h2d_kib_per_step: float | None = None  # host arrays a step sends (the real runner)
-    cpu_ms_per_step: float | None = None  # the engine thread's CPU time (time.thread_time)
-
-
-def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any,
-            async_scheduling: bool = True, stream_interval: int = 1) -> Any:
-    from jaxserve.config import ModelConfig
-    from jaxserve.engine import LLMEngine, make_engine_config
-    from jaxserve.worker.fake_runner import FakeRunner
-
-    if real:  # the tiny model: its device step is sub-millisecond here
-        import jax
-        import numpy as np
-        from flax import nnx
-
-        from jaxserve.model.llama import Llama, canonical_params
-        cfg = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, max_position_embeddings=2048)
-        params = jax.tree.map(np.asarray, canonical_params(Llama(cfg, rngs=nnx.Rngs(0))))
-        config = make_engine_config(cfg, max_num_seqs=rows, max_num_batched_tokens=max(2048, rows),
-                                    num_kv_blocks=128 * rows + 1, block_size=16,
-                                    max_model_len=2048, attention_backend="xla",
-                                    async_scheduling=async_scheduling,
-                                    stream_interval=stream_interval)
-        return LLMEngine(config, params, tokenizer, progress=False)
-    config = make_engine_config(ModelConfig.smollm2_135m(), max_num_seqs=rows,
-                                max_num_batched_tokens=max(2048, rows),
-                                num_kv_blocks=128 * rows + 1, block_size=16, max_model_len=2048,
-                                async_scheduling=async_scheduling,
-                                stream_interval=stream_interval)
-    runner = FakeRunner.for_config(config, build_batches=True, step_delay=device_ms / 1000)
-    return LLMEngine(config, tokenizer=tokenizer, runner=runner)
 
 
 def _instrument(engine: Any, clock: PhaseClock) -> None:
@@ -189,14 +140,7 @@ def _timed_case(engine: Any, rows: int, device_ms: float, seconds: float, real: 
                 async_scheduling: bool, stream_interval: int, placeholders: bool,
                 tokenizer: Any, log: Callable[[str], None]) -> HostResult:
     from jaxserve.engine.stats import GC_YOUNG_THRESHOLD
-    from jaxserve.sampling_params import SamplingParams
-
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                           add_generation_prompt=True, tokenize=True)
-    sp = SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)
-    ids = [f"r{i}" for i in range(rows)]
-    for rid in ids:
-        engine.add_request(rid, list(prompt), sp)
+    ids, sp = add_requests(engine, rows, tokenizer)
     def decoding() -> bool:
         live = [engine.scheduler.get_request(r) for r in ids]
         if any(r is None for r in live):
@@ -256,17 +200,6 @@ def _timed_case(engine: Any, rows: int, device_ms: float, seconds: float, real: 
     return res
 
 
-def _row(r: HostResult) -> str:
-    d = "real" if r.device_ms is None else f"{r.device_ms:g}"
-    ph = " ".join(f"{k}={v:.2f}" for k, v in r.phases_ms_per_step.items())
-    return (f"{r.runner:25s} N={r.rows:<5d} D={d:>4s} ms  tok/req/s={r.tokens_per_request_per_s:8.1f}"
-            f"  period={r.period_ms:7.2f} ms  device={r.device_ms_per_step:6.2f} ms"
-            f"  host={r.host_ms_per_step:6.2f} ms ({r.host_us_per_row:6.1f} us/row)"
-            f"  cpu={r.cpu_ms_per_step:6.2f} ms"
-            f"  idle={r.device_idle:5.1%}  [{ph}]"
-            + ("" if r.h2d_kib_per_step is None else f"  h2d={r.h2d_kib_per_step:.0f} KiB/step"))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, run every (rows, device_ms) case, print one line each; returns 0."""
     ap = argparse.ArgumentParser(prog="jaxserve bench host", description=__doc__.split("\n")[0])
@@ -288,7 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--placeholders", choices=("on", "off", "ab"), default="on",
                     help="plan step n+1 before step n's tokens are back (on), only after "
                     "(off), or each case on, off, on, off (ab)")
+    ap.add_argument("--engine_process", action="store_true",
+                    help="the engine in its own process, outputs assembled in this one "
+                    "(MPEngine, vLLM V1's split; the fake runner only)")
     a = ap.parse_args(argv)
+    if a.engine_process and (a.real or a.no_async or a.placeholders != "on"):
+        ap.error("--engine_process runs the fake with its defaults: no --real, --no_async "
+                 "or --placeholders")
     from jaxserve.checkpoint.loader import load_tokenizer
 
     tok = load_tokenizer(a.model)
@@ -297,12 +236,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     import os
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     ph = {"on": (True,), "off": (False,), "ab": (True, False, True, False)}[a.placeholders]
-    results = [asdict(run_case(n, d or 0.0, seconds=a.seconds, real=a.real, tokenizer=tok,
-                               async_scheduling=not a.no_async,
-                               stream_interval=a.stream_interval, placeholders=p,
-                               gc_young=a.gc_young,
-                               log=lambda s: print(s, flush=True)))
-               for d in dms for n in rows for p in ph]
+    if a.engine_process:
+        from jaxserve.bench.host_split import run_case_split
+
+        results = [asdict(run_case_split(n, d, seconds=a.seconds, tokenizer=tok,
+                                         stream_interval=a.stream_interval,
+                                         gc_young=a.gc_young,
+                                         log=lambda s: print(s, flush=True)))
+                   for d in dms for n in rows]
+    else:
+        results = [asdict(run_case(n, d or 0.0, seconds=a.seconds, real=a.real, tokenizer=tok,
+                                   async_scheduling=not a.no_async,
+                                   stream_interval=a.stream_interval, placeholders=p,
+                                   gc_young=a.gc_young, log=lambda s: print(s, flush=True)))
+                   for d in dms for n in rows for p in ph]
     print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)
     if a.json:
         with open(a.json, "w") as f:

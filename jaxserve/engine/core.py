@@ -155,13 +155,21 @@ class LLMEngine(EngineControl):
           EngineSleepingError: asleep with reject_new=True (see `sleep`).
         """
         self.sleeper.check_admit(request_id)
-        if self._inflight is not None and any(  # an aborted id reused: its old row first
-                r == request_id or r.startswith(request_id + "#")
-                for r in (sr.request_id for sr in self._inflight[0].scheduled)):
-            self._pending += self._step(overlap=False)
         p = self.inputs.process(request_id, prompt, params, messages=messages, priority=priority,
                                 arrival_time=arrival_time, live_ids=self.outputs.live_ids(),
                                 logprob_start=logprob_start)
+        self.add_processed(p, lora_request)
+        return p.prompt_token_ids
+
+    def add_processed(self, p: ProcessedRequest, lora_request: Any = None) -> None:
+        """`add_request` from its `InputProcessor` result on (the engine-core process gets
+        requests processed by its frontend, `jaxserve.engine.core_client`). Raises as
+        `add_request` for its adapter and grammar; nothing is queued then."""
+        rid = p.request_id
+        if self._inflight is not None and any(  # an aborted id reused: its old row first
+                r == rid or r.startswith(rid + "#")
+                for r in (sr.request_id for sr in self._inflight[0].scheduled)):
+            self._pending += self._step(overlap=False)
         has_slot = self.lora.attach(p.children, lora_request)  # its adapter's slot, or wait
         so, fut = p.children[0].sampling_params.structured_outputs, None
         if so is not None:
@@ -173,10 +181,9 @@ class LLMEngine(EngineControl):
             self.outputs.add(p)  # queues it once compiled and its adapter has a slot
             self._awaiting_grammar[p.request_id] = (p, fut)
             self.prompt_tokens_total += len(p.prompt_token_ids)
-            return p.prompt_token_ids
+            return
         self._attach_grammar(p, fut)  # a failed compile raises here: nothing queued
         self._queue(p)
-        return p.prompt_token_ids
 
     def _attach_grammar(self, p: ProcessedRequest, fut: concurrent.futures.Future | None) -> None:
         compiled = fut.result() if fut else None  # ValidationError / GrammarDeadEnd of it

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import numpy as np
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.input_processor import ProcessedRequest
+from jaxserve.engine.prompt_scores import PromptScores
 from jaxserve.sampling_params import RequestOutputKind
 from jaxserve.outputs import (CompletionOutput, ListPrefix, RequestMetrics, RequestOutput,
                               VersionRuns)
@@ -68,31 +68,13 @@ class _Child:
 
 
 @dataclass
-class _PromptScores:
-    """Prompt logprobs of one user request, stored by prompt index (chunks and re-prefills
-    after a preemption write their own indices; a rewrite is the same value)."""
-
-    start: int                 # first scored prompt index (>= 1)
-    k: int | None              # SamplingParams.prompt_logprobs; None: scores only (LLM.score)
-    logprobs: np.ndarray       # f32[P], NaN until scored
-    top_ids: np.ndarray        # i32[P, k]
-    top_logprobs: np.ndarray   # f32[P, k]
-    done: np.ndarray           # bool[P]
-    entries: list[dict[int, float] | None] | None = None  # built once complete
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.done[self.start:].all())
-
-
-@dataclass
 class _Parent:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[_Child]
     metrics: RequestMetrics
-    scores: _PromptScores | None = None
+    scores: PromptScores | None = None
     final_only: bool = False  # RequestOutputKind.FINAL_ONLY: no output until finished
     delta: bool = False  # RequestOutputKind.DELTA: the output fields hold the new part only
     sent: bool = False  # an output has been collected (stream_interval holds the next ones)
@@ -152,11 +134,8 @@ class OutputProcessor:
         parent.direct = (len(children) == 1 and not parent.final_only and start is None
                          and children[0].logprobs is None and self.stream_interval == 1)
         if start is not None:
-            P, k = len(p.prompt_token_ids), p.children[0].sampling_params.prompt_logprobs
-            w = k or 0
-            self._parents[p.request_id].scores = _PromptScores(
-                start, k, np.full(P, np.nan, np.float32), np.zeros((P, w), np.int32),
-                np.zeros((P, w), np.float32), np.zeros(P, bool))
+            self._parents[p.request_id].scores = PromptScores.empty(
+                start, p.children[0].sampling_params.prompt_logprobs, len(p.prompt_token_ids))
 
     def older_than(self, version: int) -> list[str]:
         """Ids of the live user requests added under a weight version < `version`."""
@@ -214,26 +193,8 @@ class OutputProcessor:
             if cid not in self._child_of:
                 continue
             sc = self._parent(cid).scores
-            if sc is None:
-                continue
-            sl = slice(pl.start, pl.start + len(pl.logprobs))
-            sc.logprobs[sl] = pl.logprobs
-            w = sc.top_ids.shape[1]
-            sc.top_ids[sl] = pl.top_ids[:, :w]
-            sc.top_logprobs[sl] = pl.top_logprobs[:, :w]
-            sc.done[sl] = True
-
-    @staticmethod
-    def _prompt_entries(sc: _PromptScores, prompt: list[int]) -> list[dict[int, float] | None]:
-        """vLLM's prompt_logprobs list: None before `start`, else {token: lp, top-k...}."""
-        if sc.entries is None:
-            out: list[dict[int, float] | None] = [None] * sc.start
-            for j in range(sc.start, len(prompt)):
-                e = {int(t): float(v) for t, v in zip(sc.top_ids[j], sc.top_logprobs[j])}
-                e[prompt[j]] = float(sc.logprobs[j])
-                out.append(e)
-            sc.entries = out
-        return sc.entries
+            if sc is not None:
+                sc.store(pl)
 
     def process_tokens(self, sampled: dict[str, SampledToken], now: float
                        ) -> tuple[list[str | RequestOutput], FinishRequests]:
@@ -394,16 +355,39 @@ class OutputProcessor:
                 continue
             if ok and not g.is_terminated:
                 continue
-            if ok:
-                fin.finished.append((cid, RequestStatus.FINISHED_STOPPED))
-            else:
-                c.error = (f"structured output ({g.spec.kind}): token {tok.token_id} does not "
-                           f"continue the grammar (dead end): {g.error}")
-                fin.finished.append((cid, RequestStatus.FINISHED_ERROR))
-            if c.detok is not None:
-                c.delta_text += c.detok.update([], finished=True).delta_text
-            parents.append(self._child_of[cid][0])
+            error = None if ok else grammar_dead_end(g, tok.token_id)
+            fin.finished.append((cid, RequestStatus.FINISHED_STOPPED if ok
+                                 else RequestStatus.FINISHED_ERROR))
+            parents.append(self.end_by_grammar(cid, error))
         return parents, fin
+
+    def end_by_grammar(self, cid: str, error: str | None) -> str:
+        """Sample `cid`'s grammar finished it after its last token ("error" when `error`):
+        its text is flushed, that token's text kept. Returns its parent's id."""
+        c = self._child(cid)
+        if error is not None:
+            c.error = error
+        if c.detok is not None:
+            c.delta_text += c.detok.update([], finished=True).delta_text
+        return self._child_of[cid][0]
+
+    # ------------------------------------------------------------ a frontend's
+    def request(self, cid: str) -> Request | None:
+        """The live sample `cid`'s Request (in a frontend process, its own copy, which
+        `jaxserve.engine.core_client` keeps up to date from the engine core's events)."""
+        at = self._child_of.get(cid)
+        return None if at is None else self._parents[at[0]].children[at[1]].request
+
+    def requests_of(self, request_id: str) -> list[Request]:
+        """The Requests of a live user request's samples ([] if unknown)."""
+        p = self._parents.get(request_id)
+        return [] if p is None else [c.request for c in p.children]
+
+    def scheduled(self, request_id: str, now: float) -> None:
+        """Stamp the request's first_scheduled_time (`on_scheduled`, told by an engine core)."""
+        p = self._parents.get(request_id)
+        if p is not None and p.metrics.first_scheduled_time is None:
+            p.metrics.first_scheduled_time = now
 
     def collect(self, parent_ids: Iterable[str | RequestOutput]) -> list[RequestOutput]:
         """One `RequestOutput` per parent (deduplicated, in order), deltas since the last one;
@@ -441,7 +425,7 @@ class OutputProcessor:
                 p.prompt_sent = True  # DELTA (vLLM's): the prompt's logprobs come once
                 ro.prompt_token_logprobs = sc.logprobs
                 if sc.k is not None:
-                    ro.prompt_logprobs = self._prompt_entries(sc, p.prompt_token_ids)
+                    ro.prompt_logprobs = sc.entries_for(p.prompt_token_ids)
             outs.append(ro)
         return outs
 
@@ -484,6 +468,12 @@ class OutputProcessor:
         if reason is not None:
             c.final_sent = True
         return out
+
+
+def grammar_dead_end(g: Any, token_id: int) -> str:
+    """The error of a structured-output sample whose token the grammar `g` rejected."""
+    return (f"structured output ({g.spec.kind}): token {token_id} does not continue the "
+            f"grammar (dead end): {g.error}")
 
 
 def _whole_output_as_delta(c: _Child) -> None:

@@ -46,3 +46,21 @@ def test_a_window_longer_than_the_requests_ends_before_them():
     assert len(lines) == 2 and lines[0].startswith("  window ") and "not 60 s" in lines[0]
     left = int(lines[0].split(" than the ")[1].split()[0])
     assert 1800 < left < 1900 and r.steps == left - 1
+
+
+@pytest.mark.skipif(not GGUF.exists(), reason="needs the default SmolLM2 GGUF (make model)")
+def test_the_engine_process_case_respects_the_device_bound():
+    """`--engine_process` (MPEngine): the same bounds, counted from the outputs here, and
+    the core's device busy D a step; each request's text grew with its tokens."""
+    from jaxserve.bench.host_split import run_case_split
+    from jaxserve.checkpoint.loader import load_tokenizer
+
+    lines = []
+    D = 5.0
+    r = run_case_split(4, D, seconds=0.5, tokenizer=load_tokenizer(GGUF), log=lines.append)
+    assert r.rows == 4 and r.steps >= 2 and len(lines) == 1 and "text=" in lines[0]
+    assert int(lines[0].rsplit("text=", 1)[1].split()[0]) > 0
+    assert 0 < r.tokens_per_request_per_s <= (r.seconds * 1000 / D + 3) / r.seconds
+    assert r.period_ms >= D * 0.99
+    assert r.device_ms_per_step == pytest.approx(D, rel=0.1)
+    assert set(r.phases_ms_per_step) == {"frontend", "core"}

@@ -61,20 +61,25 @@ def final(o) -> list[tuple]:
              round(c.cumulative_logprob, 6), c.logprobs and list(c.logprobs)) for c in o.outputs]
 
 
-def run_ops(eng: LLMEngine, ops) -> tuple[dict, dict]:
-    """Apply ops; returns (request_id -> final outputs, aborted id -> token ids seen)."""
+def run_ops(eng: LLMEngine, ops, *, tag: str = "r", final=final, steps: list | None = None,
+            kv_free=None) -> tuple[dict, dict]:
+    """Apply ops; returns (request_id -> final outputs, aborted id -> token ids seen).
+    `steps` (a list) gets every output as (id, tokens per sample, text per sample);
+    `kv_free(eng)`: whether no KV block is held (default: the engine's own manager)."""
     added, finals, seen, aborted = [], {}, {}, {}
 
     def take(outs):
         for o in outs:
             seen[o.request_id] = [list(c.token_ids) for c in o.outputs]
+            if steps is not None:
+                steps.append((o.request_id, seen[o.request_id], [c.text for c in o.outputs]))
             if o.finished:
                 assert o.request_id not in finals, o.request_id
                 finals[o.request_id] = final(o)
 
     for op in ops:
         if op[0] == "add":
-            rid = f"r{len(added)}"
+            rid = f"{tag}{len(added)}"
             try:
                 eng.add_request(rid, op[1], op[2])
             except ValueError as e:
@@ -88,15 +93,25 @@ def run_ops(eng: LLMEngine, ops) -> tuple[dict, dict]:
         elif op[0] == "step":
             for _ in range(op[1]):
                 take(eng.step())
+        elif op[0] == "update":  # (a runner whose update_params takes None)
+            eng.call(_keep_update) if hasattr(eng, "call") else _keep_update(eng)
     for _ in range(3000):
         if not eng.has_unfinished_requests():
             break
         take(eng.step())
     assert not eng.has_unfinished_requests()
     assert set(finals) == set(added) - set(aborted)
-    kv = eng.scheduler.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_blocks  # nothing leaked, on or off
+    assert (kv_free or _kv_free)(eng)  # nothing leaked, on or off
     return finals, aborted
+
+
+def _keep_update(eng) -> None:
+    eng.update_params(None, in_flight="keep")
+
+
+def _kv_free(eng) -> bool:
+    kv = eng.scheduler.kv_cache_manager
+    return kv.num_free_blocks == kv.num_blocks
 
 
 def _prefix_of(a: list, b: list) -> bool:

@@ -1,0 +1,84 @@
+"""What `jaxserve bench host` and its `--engine_process` variant share: the set-up's
+engine, its prompt, and one result line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PROMPT = "Explain in detail how a hash map handles collisions, and compare open addressing " \
+         "with separate chaining."
+
+
+@dataclass
+class HostResult:
+    """One case: N running at a device step of D ms (None: the real runner)."""
+
+    runner: str
+    rows: int
+    device_ms: float | None
+    steps: int
+    seconds: float
+    tokens_per_request_per_s: float
+    period_ms: float
+    device_ms_per_step: float
+    host_ms_per_step: float
+    host_us_per_row: float
+    device_idle: float
+    phases_ms_per_step: dict[str, float]
+    h2d_kib_per_step: float | None = None  # host arrays a step sends (the real runner)
+    cpu_ms_per_step: float | None = None  # the engine thread's CPU time (time.thread_time)
+
+
+def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any,
+            async_scheduling: bool = True, stream_interval: int = 1) -> Any:
+    from jaxserve.config import ModelConfig
+    from jaxserve.engine import LLMEngine, make_engine_config
+    from jaxserve.worker.fake_runner import FakeRunner
+
+    if real:  # the tiny model: its device step is sub-millisecond here
+        import jax
+        import numpy as np
+        from flax import nnx
+
+        from jaxserve.model.llama import Llama, canonical_params
+        cfg = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, max_position_embeddings=2048)
+        params = jax.tree.map(np.asarray, canonical_params(Llama(cfg, rngs=nnx.Rngs(0))))
+        config = make_engine_config(cfg, max_num_seqs=rows, max_num_batched_tokens=max(2048, rows),
+                                    num_kv_blocks=128 * rows + 1, block_size=16,
+                                    max_model_len=2048, attention_backend="xla",
+                                    async_scheduling=async_scheduling,
+                                    stream_interval=stream_interval)
+        return LLMEngine(config, params, tokenizer, progress=False)
+    config = make_engine_config(ModelConfig.smollm2_135m(), max_num_seqs=rows,
+                                max_num_batched_tokens=max(2048, rows),
+                                num_kv_blocks=128 * rows + 1, block_size=16, max_model_len=2048,
+                                async_scheduling=async_scheduling,
+                                stream_interval=stream_interval)
+    runner = FakeRunner.for_config(config, build_batches=True, step_delay=device_ms / 1000)
+    return LLMEngine(config, tokenizer=tokenizer, runner=runner)
+
+
+def _row(r: HostResult) -> str:
+    d = "real" if r.device_ms is None else f"{r.device_ms:g}"
+    ph = " ".join(f"{k}={v:.2f}" for k, v in r.phases_ms_per_step.items())
+    return (f"{r.runner:25s} N={r.rows:<5d} D={d:>4s} ms  tok/req/s={r.tokens_per_request_per_s:8.1f}"
+            f"  period={r.period_ms:7.2f} ms  device={r.device_ms_per_step:6.2f} ms"
+            f"  host={r.host_ms_per_step:6.2f} ms ({r.host_us_per_row:6.1f} us/row)"
+            f"  cpu={r.cpu_ms_per_step:6.2f} ms"
+            f"  idle={r.device_idle:5.1%}  [{ph}]"
+            + ("" if r.h2d_kib_per_step is None else f"  h2d={r.h2d_kib_per_step:.0f} KiB/step"))
+
+
+def add_requests(engine: Any, rows: int, tokenizer: Any) -> tuple[list[str], Any]:
+    """Add the set-up's `rows` requests ("r0".."r{rows-1}": the chat prompt, greedy,
+    `ignore_eos`, max_tokens 1900); returns their ids and the SamplingParams."""
+    from jaxserve.sampling_params import SamplingParams
+
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                           add_generation_prompt=True, tokenize=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True)
+    ids = [f"r{i}" for i in range(rows)]
+    for rid in ids:
+        engine.add_request(rid, list(prompt), sp)
+    return ids, sp

@@ -1,0 +1,323 @@
+"""`MPEngine`: an `LLMEngine` run in its own process, its outputs assembled in this one.
+
+vLLM V1's split (the EngineCore process and the frontend's OutputProcessor), for issue
+24: the engine core (`jaxserve.engine.core_proc`) schedules, lays out, runs and applies
+the stop rules; this process tokenizes prompts (`InputProcessor`), and per step
+detokenizes, checks stop strings and builds the `RequestOutput`s (`OutputProcessor`)
+while the core already runs the next step. Each side's Python runs on its own core, so a
+step's period is the larger of the two halves instead of their sum.
+
+    engine = MPEngine(functools.partial(build_my_engine, ...))  # built in the core
+    engine.add_request("r0", "Hello", SamplingParams(max_tokens=16))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+    engine.shutdown()
+
+The outputs equal the one-process engine's (tests/engine/test_core_client.py). What
+differs: a request whose stop string is found here has its KV freed a step or two later
+(the tokens the core made after it are dropped here); an add the core refuses (its LoRA
+adapter, its grammar, a sleeping engine with `reject_new`) ends with finish_reason
+"error" and the reason instead of raising; every other engine call goes through `call`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import cloudpickle
+import numpy as np
+
+from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler.request import RequestStatus
+from jaxserve.worker.runner import SampledToken
+
+logger = logging.getLogger(__name__)
+
+_RUNNING, _LENGTH, _STOPPED = (RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH,
+                               RequestStatus.FINISHED_STOPPED)
+_FINISHED = RequestStatus.FINISHED_STOPPED
+_NO_TOPS = (np.zeros(0, np.int32), np.zeros(0, np.float32))
+# A frontend sample's `Request.grammar`: its matcher lives in the core (the output
+# processor only asks whether there is one).
+REMOTE_GRAMMAR = "in the engine core"
+
+
+class EngineCoreError(RuntimeError):
+    """The engine-core process failed or could not be started."""
+
+
+class MPEngine:
+    """`LLMEngine`'s `add_request` / `step` / `abort` with the engine in another process.
+
+    Args:
+      factory: a zero-argument callable that builds the `LLMEngine` (run in the core
+        process; it crosses by cloudpickle, so a closure or `functools.partial` works).
+      startup_timeout: seconds to wait for the core to be built (None: no limit).
+
+    Raises:
+      EngineCoreError: the core process failed to build its engine (the reason given).
+    """
+
+    def __init__(self, factory: Callable[[], Any], *, startup_timeout: float | None = None):
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "")
+                                                      .split(os.pathsep) if p])
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.engine.core_proc", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self._sent = -1  # commands sent after "init"
+        # request / child id -> the number of the command that added it, while a step the
+        # core ran before that command may still arrive (its events are the id's last use)
+        self._born: dict[str, int] = {}
+        self._send(("init", cloudpickle.dumps(factory), logging.getLogger().getEffectiveLevel(),
+                    list(sys.path)))
+        if startup_timeout is not None and not self.conn.poll(startup_timeout):
+            self.shutdown()
+            raise EngineCoreError(f"the engine core was not ready in {startup_timeout} s")
+        msg = self._recv()
+        if msg[0] != "ready":
+            self.shutdown()
+            raise EngineCoreError(f"the engine core failed to start: {msg[1]}")
+        view = msg[1]
+        self.config, self.tokenizer = view["config"], view["tokenizer"]
+        self.eos_token_ids, self.model_name = view["eos_token_ids"], view["model_name"]
+        self.inputs = InputProcessor(self.config, self.tokenizer, self.eos_token_ids)
+        self.outputs = OutputProcessor(self.tokenizer,
+                                       stream_interval=self.config.stream_interval)
+        self._steps: deque[tuple] = deque()  # step messages read while awaiting a reply
+        self._replies: dict[int, tuple] = {}
+        self._calls = 0
+        self._credits = 0  # steps the core may run that we have not received yet
+        self.last_wait_s = 0.0  # the last `step()`'s seconds blocked on the core's message
+
+    # ------------------------------------------------------------ transport
+    def _send(self, msg: tuple) -> None:
+        self._send_blob(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_blob(self, blob: bytes) -> None:
+        self.conn.send_bytes(blob)
+        self._sent += 1  # the core counts the commands it applied alike
+
+    def _recv(self) -> tuple:
+        try:
+            msg = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError) as e:
+            raise EngineCoreError(f"the engine core process is gone ({e})") from None
+        if msg[0] == "failed":
+            raise EngineCoreError(f"the engine core failed: {msg[1]}")
+        return msg
+
+    def _next(self, kind: str, call_id: int | None = None) -> tuple:
+        """The next "step" message, or the reply to `call_id`; the other kind is kept."""
+        while True:
+            if kind == "step" and self._steps:
+                return self._steps.popleft()
+            if kind == "reply" and call_id in self._replies:
+                return self._replies.pop(call_id)
+            msg = self._recv()
+            if msg[0] == "step":
+                self._steps.append(msg)
+            else:
+                self._replies[msg[1]] = msg
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
+                    params: SamplingParams | None = None, *,
+                    messages: Sequence[dict[str, Any]] | None = None, priority: int = 0,
+                    arrival_time: float | None = None, logprob_start: int | None = None,
+                    lora_request: Any = None) -> list[int]:
+        """`LLMEngine.add_request`: validated and tokenized here, queued in the core.
+
+        Raises:
+          ValueError: as `LLMEngine.add_request`'s input checks (before anything is sent).
+        """
+        p = self.inputs.process(request_id, prompt, params, messages=messages, priority=priority,
+                                arrival_time=arrival_time, live_ids=self.outputs.live_ids(),
+                                logprob_start=logprob_start)
+        blob = pickle.dumps(("add", p, lora_request), protocol=pickle.HIGHEST_PROTOCOL)
+        grammar = p.children[0].sampling_params.structured_outputs is not None
+        for req in p.children:  # this process's copies: live until the core says otherwise
+            req.status = _RUNNING
+            if grammar:
+                req.grammar = REMOTE_GRAMMAR
+        self.outputs.add(p)
+        self._send_blob(blob)
+        born = self._born
+        born[p.request_id] = self._sent
+        for req in p.children:
+            born[req.request_id] = self._sent
+        return p.prompt_token_ids
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a user request (frees its KV blocks in the core); False if unknown."""
+        if self.outputs.pop(request_id) is None:
+            return False
+        self._send(("abort", [request_id]))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.outputs.num_live > 0
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs of the core's next step (waits for it); the core is let run the
+        one after it first, so it computes that while these are assembled."""
+        if not self.has_unfinished_requests():
+            return []
+        if not self._credits:
+            self._send(("credit",))
+            self._credits += 1
+        t0 = time.perf_counter()
+        msg = self._next("step")
+        self.last_wait_s = time.perf_counter() - t0
+        self._credits -= 1
+        self._send(("credit",))
+        self._credits += 1
+        return self._apply(msg[1], msg[2])
+
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine) in the core between two steps (e.g. `lambda e: e.update_params(w)`);
+        its result (pickled back), or its exception raised here."""
+        self._calls += 1
+        cid = self._calls
+        self._send(("call", cid, cloudpickle.dumps(fn)))
+        _, _, ok, value = self._next("reply", cid)
+        if not ok:
+            raise value
+        return value
+
+    def shutdown(self) -> None:
+        """Stop the core process (killed after 10 s)."""
+        try:
+            self._send(("shutdown",))
+        except OSError:
+            pass
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self.conn.close()
+
+    def __enter__(self) -> "MPEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------ one step's events
+    def _apply(self, applied: int, events: list[tuple]) -> list[RequestOutput]:
+        """Replay the core's events through the output processor, in order; collect where
+        the core's engine collected. `applied`: the commands the core had applied before
+        the step; an id added by a later command is not the one the events speak of (an
+        id aborted and reused meanwhile), so they are dropped for it."""
+        stale = frozenset()
+        if self._born:
+            stale = frozenset(i for i, n in self._born.items() if n > applied)
+            self._born = {i: n for i, n in self._born.items() if n > applied}
+        if stale:
+            events = [_without(ev, stale) for ev in events]
+        outs, changed, op = [], [], self.outputs
+        for ev in events:
+            kind = ev[0]
+            if kind == "tokens":
+                changed += self._tokens(*ev[1:])
+            elif kind == "collect":
+                outs += op.collect(changed)
+                changed = []
+            elif kind == "fail":  # (not a sample this side ended already: a stop string)
+                failed = []
+                for cid, status in ev[1]:
+                    req = op.request(cid)
+                    if req is not None and req.status < _FINISHED:
+                        req.status = RequestStatus(status)
+                        failed.append(cid)
+                changed += op.fail(failed, ev[2])
+            elif kind == "scheduled":
+                op.scheduled(ev[1], ev[2])
+            elif kind == "scores":
+                op.process_prompt_logprobs(ev[1])
+            elif kind == "grammar":
+                for cid, status, error in ev[1]:
+                    req = op.request(cid)
+                    if req is not None and not req.is_finished:
+                        req.status = RequestStatus(status)
+                        changed.append(op.end_by_grammar(cid, error))
+            elif kind == "rejected":
+                changed += self._rejected(ev[1], ev[2])
+        return outs + op.collect(changed)
+
+    def _tokens(self, version: int, cids: list[str], ids: list[int], lps: list[float],
+                tops: dict, finished: list) -> list:
+        op = self.outputs
+        op.weight_version = version
+        request = op.request
+        ended = {cid: (status, reason) for cid, status, reason in finished}
+        sampled = {}
+        for cid, t, lp in zip(cids, ids, lps):
+            req = request(cid)
+            if req is None or req.status >= _FINISHED:  # ended here (a stop string): its
+                continue  # later tokens are the core's run-ahead, dropped
+            req.output_token_ids.append(t)
+            if cid in ended:
+                req.status, req.stop_reason = RequestStatus(ended[cid][0]), ended[cid][1]
+            sampled[cid] = SampledToken.make(t, lp, *tops.get(cid, _NO_TOPS))
+        progressed, fin = op.process_tokens(sampled, time.monotonic())
+        stop = []
+        for req in fin.by_stop_string:  # `Scheduler.stop_by_string` on this side's copy
+            if req.status is _RUNNING:
+                req.status = _STOPPED
+                stop.append(req.request_id)
+            elif req.status == _LENGTH:
+                req.status = _STOPPED
+        failed = []
+        for cid, status in fin.finished:
+            req = request(cid)
+            if req is not None and req.status < _FINISHED:
+                req.status = status
+                failed.append((cid, status))
+        if stop:
+            self._send(("stop", stop))
+        if failed:
+            self._send(("finish", failed))
+        return progressed
+
+    def _rejected(self, request_id: str, message: str) -> list[str]:
+        """The core refused an add: its samples fail with `message`."""
+        children = self.outputs.requests_of(request_id)
+        for req in children:
+            req.status = RequestStatus.FINISHED_ERROR
+        return self.outputs.fail([req.request_id for req in children], message)
+
+
+def _without(ev: tuple, stale: frozenset) -> tuple:
+    """Event `ev` less what it says of the ids in `stale`."""
+    kind = ev[0]
+    if kind == "tokens":
+        v, cids, ids, lps, tops, finished = ev[1:]
+        keep = [i for i, c in enumerate(cids) if c not in stale]
+        return ("tokens", v, [cids[i] for i in keep], [ids[i] for i in keep],
+                [lps[i] for i in keep], tops, [f for f in finished if f[0] not in stale])
+    if kind in ("fail", "grammar"):
+        return (kind, tuple(x for x in ev[1] if x[0] not in stale)) + ev[2:]
+    if kind == "scores":
+        return ("scores", {c: v for c, v in ev[1].items() if c not in stale})
+    if kind == "scheduled" and ev[1] in stale:
+        return ("none",)
+    return ev

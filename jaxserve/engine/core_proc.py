@@ -1,0 +1,147 @@
+"""`python -m jaxserve.engine.core_proc FD`: the engine-core process of `MPEngine`.
+
+vLLM V1's EngineCore process: an `LLMEngine` (scheduler, runner, stop rules) whose output
+processor is a `CoreOutputs` (`jaxserve.engine.core_outputs`), so that a step's
+detokenizing, stop-string checks and `RequestOutput` assembly run in the frontend
+(`jaxserve.engine.core_client.MPEngine`) while this process runs the next step.
+
+Protocol (pickled tuples over one socket; the frontend's side is `MPEngine`):
+  frontend -> core: ("init", factory (cloudpickle), log level, sys.path), ("credit",)
+    (one more step may run), ("add", ProcessedRequest, lora_request), ("abort",
+    [request ids]), ("stop", [child ids]) (stop strings found in their text), ("finish",
+    [(child id, status)]) (the frontend's output processing failed them), ("call", id,
+    fn (cloudpickle)) (fn(engine) between steps), ("shutdown",).
+  core -> frontend: ("ready", view) or ("failed", why) once, then ("step", applied,
+    events) per credit (applied: the commands applied before that step) (`CoreOutputs` events, "rejected" for an add that raised) and ("reply", id,
+    ok, value) per call.
+A step runs only against a credit: the frontend sends the next one before it processes
+the step it got, so the core computes step n+1 meanwhile and is never more than two
+steps ahead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+
+logger = logging.getLogger("jaxserve.engine.core_proc")
+
+
+def to_core(engine: Any) -> Any:
+    """Give `engine` a `CoreOutputs` in place of its output processor (the engine's weight
+    version moves along with it). Returns the `CoreOutputs`."""
+    from jaxserve.engine.core_outputs import CoreOutputs
+
+    sink = CoreOutputs()
+    sink.weight_version = engine.weight_version
+    sink.generation_tokens_total = engine.outputs.generation_tokens_total
+    engine.outputs = engine.pauser.outputs = sink
+    return sink
+
+
+def view_of(engine: Any) -> dict:
+    """What the frontend needs of the engine: config, tokenizer, EOS ids, model name."""
+    return dict(config=engine.config, tokenizer=engine.tokenizer,
+                eos_token_ids=engine.eos_token_ids,
+                model_name=getattr(engine, "model_name", "jaxserve"))
+
+
+class CoreLoop:
+    """The engine core's loop: apply the frontend's commands in order, run one
+    `engine.step()` per credit, send its events."""
+
+    def __init__(self, conn: Connection, engine: Any):
+        self.conn, self.engine = conn, engine
+        self.sink = to_core(engine)
+        self.credits = 0
+        self.applied = 0  # commands applied (the frontend numbers them alike)
+
+    def send(self, msg: tuple) -> None:
+        self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def run(self) -> None:
+        """Until "shutdown" or the frontend's socket closes."""
+        conn = self.conn
+        while True:
+            while self.credits == 0 or conn.poll():
+                if not self.handle(pickle.loads(conn.recv_bytes())):
+                    return
+                self.applied += 1
+            self.credits -= 1
+            self.engine.step()  # its outputs are the sink's events
+            self.send(("step", self.applied, self.sink.take()))
+
+    def handle(self, msg: tuple) -> bool:
+        """Apply one command; False on "shutdown"."""
+        kind, eng, sink = msg[0], self.engine, self.sink
+        if kind == "credit":
+            self.credits += 1
+        elif kind == "add":
+            p = msg[1]
+            try:
+                eng.add_processed(p, msg[2])
+            except Exception as e:  # noqa: BLE001 - the request's own fault: it alone fails
+                sink.events.append(("rejected", p.request_id, f"{type(e).__name__}: {e}"))
+        elif kind == "abort":
+            for rid in msg[1]:
+                eng.abort(rid)
+        elif kind == "stop":  # a stop string matched: finish it "stop" (`_apply`'s)
+            for cid in msg[1]:
+                req = sink.request(cid)
+                if req is not None:
+                    eng.scheduler.stop_by_string(req)
+            sink.ended(msg[1])
+        elif kind == "finish":
+            for cid, status in msg[1]:
+                eng.scheduler.finish_requests([cid], status)
+            sink.ended(cid for cid, _ in msg[1])
+        elif kind == "call":
+            try:
+                value = cloudpickle.loads(msg[2])(eng)
+                reply = ("reply", msg[1], True, value)
+                pickle.dumps(reply)
+            except Exception as e:  # noqa: BLE001 - handed back to the caller
+                reply = ("reply", msg[1], False, e)
+            self.send(reply)
+        elif kind == "shutdown":
+            return False
+        return True
+
+
+def _main(fd: int) -> None:
+    conn = Connection(fd)
+    try:
+        kind, blob, level, path = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        os._exit(0)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
+    sys.path[:] = path
+    try:
+        engine = cloudpickle.loads(blob)()
+        loop = CoreLoop(conn, engine)
+        loop.send(("ready", view_of(engine)))
+    except Exception as e:  # noqa: BLE001 - the frontend raises it
+        logger.exception("the engine core could not be built")
+        conn.send_bytes(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
+        os._exit(1)
+    try:
+        loop.run()
+    except (EOFError, OSError):  # the frontend is gone: nobody to serve
+        pass
+    except Exception as e:  # noqa: BLE001 - tell the frontend, then stop
+        logger.exception("engine core failed")
+        try:
+            conn.send_bytes(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
+        except OSError:
+            pass
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]))
