@@ -285,7 +285,7 @@ class LLMEngine(EngineControl):
         reqs = self.scheduler.requests
         errors, sampled, tokens, scored = {}, {}, {}, {}
         for rid, r in results.items():
-            if isinstance(r, SampledToken):
+            if type(r) is SampledToken:  # (no subclasses: cheaper than isinstance)
                 if rid in reqs:
                     sampled[rid], tokens[rid] = r, r.token_id
                     if r.prompt is not None:

@@ -38,7 +38,7 @@ import cloudpickle
 import numpy as np
 
 from jaxserve.engine.input_processor import InputProcessor
-from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.request import RequestStatus
@@ -99,7 +99,7 @@ class MPEngine:
         self.config, self.tokenizer = view["config"], view["tokenizer"]
         self.eos_token_ids, self.model_name = view["eos_token_ids"], view["model_name"]
         self.inputs = InputProcessor(self.config, self.tokenizer, self.eos_token_ids)
-        self.outputs = OutputProcessor(self.tokenizer,
+        self.outputs = FrontendOutputs(self.tokenizer,
                                        stream_interval=self.config.stream_interval)
         self._steps: deque[tuple] = deque()  # step messages read while awaiting a reply
         self._replies: dict[int, tuple] = {}
@@ -269,16 +269,7 @@ class MPEngine:
         op.weight_version = version
         request = op.request
         ended = {cid: (status, reason) for cid, status, reason in finished}
-        sampled = {}
-        for cid, t, lp in zip(cids, ids, lps):
-            req = request(cid)
-            if req is None or req.status >= _FINISHED:  # ended here (a stop string): its
-                continue  # later tokens are the core's run-ahead, dropped
-            req.output_token_ids.append(t)
-            if cid in ended:
-                req.status, req.stop_reason = RequestStatus(ended[cid][0]), ended[cid][1]
-            sampled[cid] = SampledToken.make(t, lp, *tops.get(cid, _NO_TOPS))
-        progressed, fin = op.process_tokens(sampled, time.monotonic())
+        progressed, fin = op.process_core_tokens(cids, ids, lps, tops, ended, time.monotonic())
         stop = []
         for req in fin.by_stop_string:  # `Scheduler.stop_by_string` on this side's copy
             if req.status is _RUNNING:
@@ -321,3 +312,43 @@ def _without(ev: tuple, stale: frozenset) -> tuple:
     if kind == "scheduled" and ev[1] in stale:
         return ("none",)
     return ev
+
+
+class FrontendOutputs(OutputProcessor):
+    """The frontend's `OutputProcessor`: its samples' Requests are this process's copies,
+    brought up to date from the core's events as they are replayed."""
+
+    def process_core_tokens(self, cids: list[str], ids: list[int], lps: list[float],
+                            tops: dict, ended: dict, now: float
+                            ) -> tuple[list, FinishRequests]:
+        """`process_tokens` of a "tokens" event (columns in row order; `ended[cid]` =
+        (status, stop_reason) of the samples the core's stop rules finished), each token
+        first appended to its sample's Request. A sample this side ended already (a stop
+        string) gets none: they are the core's run-ahead."""
+        progressed, fin = [], FinishRequests()
+        child_of, all_parents = self._child_of, self._parents
+        for cid, tid, lp in zip(cids, ids, lps):
+            at = child_of.get(cid)
+            if at is None:
+                continue
+            p = all_parents[at[0]]
+            c = p.children[at[1]]
+            req = c.request
+            if req.status is not _RUNNING:
+                continue
+            req.output_token_ids.append(tid)
+            if ended and cid in ended:
+                status, req.stop_reason = ended[cid]
+                req.status = RequestStatus(status)
+            try:
+                if p.direct:
+                    d = c.detok
+                    if (req.status is _RUNNING and req.grammar is None and d is not None
+                            and d.plain):
+                        progressed.append(self._direct_output(c, p, tid, lp, now))
+                        continue
+                tok = SampledToken.make(tid, lp, *tops.get(cid, _NO_TOPS))
+                self._token(at, p, c, tok, now, fin, progressed)
+            except Exception as e:  # this request alone fails
+                self._token_failed(cid, at, c, e, fin, progressed)
+        return progressed, fin

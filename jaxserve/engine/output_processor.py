@@ -209,8 +209,7 @@ class OutputProcessor:
         output while it processes the token). A FINAL_ONLY sample that is still running
         (no stop string found) is left out: its parent has no output to give yet."""
         progressed, fin = [], FinishRequests()
-        child_of, all_parents, completion = self._child_of, self._parents, self._completion
-        make = RequestOutput.make
+        child_of, all_parents = self._child_of, self._parents
         for cid, tok in sampled.items():
             at = child_of.get(cid)
             if at is None:
@@ -222,25 +221,38 @@ class OutputProcessor:
                     req, d = c.request, c.detok
                     if (req.status is _RUNNING and req.grammar is None and d is not None
                             and d.plain):
-                        progressed.append(self._direct_output(c, p, tok, now))
+                        progressed.append(self._direct_output(c, p, tok.token_id,
+                                                              tok.logprob, now))
                         continue
-                self._on_token(c, p, tok, now, fin)
-                req, d = c.request, c.detok
-                if (p.direct and req.status is _RUNNING and req.grammar is None
-                        and d is None):  # (no tokenizer; else `_direct_output` above)
-                    p.sent = True
-                    progressed.append(make(p.request_id, p.prompt, p.prompt_token_ids,
-                                           [completion(c, p.delta)], False, p.metrics))
-                elif not (p.final_only and req.status is _RUNNING and c.stop_reason is None):
-                    progressed.append(at[0])  # (a live FINAL_ONLY sample has no output yet)
+                self._token(at, p, c, tok, now, fin, progressed)
             except Exception as e:  # this request alone fails
-                logger.exception("output processing failed for %s", cid)
-                c.error = f"{type(e).__name__}: {e}"
-                fin.finished.append((cid, RequestStatus.FINISHED_ERROR))
-                progressed.append(at[0])
+                self._token_failed(cid, at, c, e, fin, progressed)
         return progressed, fin
 
-    def _direct_output(self, c: _Child, p: _Parent, tok: SampledToken, now: float
+    def _token(self, at: tuple[str, int], p: _Parent, c: _Child, tok: SampledToken,
+               now: float, fin: FinishRequests, progressed: list) -> None:
+        """`process_tokens` for a token `_direct_output` does not take."""
+        self._on_token(c, p, tok, now, fin)
+        req = c.request
+        if (p.direct and req.status is _RUNNING and req.grammar is None
+                and c.detok is None):  # (no tokenizer; else `_direct_output`)
+            p.sent = True
+            progressed.append(RequestOutput.make(p.request_id, p.prompt, p.prompt_token_ids,
+                                                 [self._completion(c, p.delta)], False,
+                                                 p.metrics))
+        elif not (p.final_only and req.status is _RUNNING and c.stop_reason is None):
+            progressed.append(at[0])  # (a live FINAL_ONLY sample has no output yet)
+
+    @staticmethod
+    def _token_failed(cid: str, at: tuple[str, int], c: _Child, e: Exception,
+                      fin: FinishRequests, progressed: list) -> None:
+        """The output processing of sample `cid`'s token raised: it alone fails."""
+        logger.exception("output processing failed for %s", cid)
+        c.error = f"{type(e).__name__}: {e}"
+        fin.finished.append((cid, RequestStatus.FINISHED_ERROR))
+        progressed.append(at[0])
+
+    def _direct_output(self, c: _Child, p: _Parent, tid: int, lp: float, now: float
                        ) -> RequestOutput:
         """`_on_token` then `RequestOutput.make` of `[_completion(c, p.delta)]` for the
         sample of a `_Parent.direct` request that runs with a plain detokenizer and no
@@ -254,7 +266,6 @@ class OutputProcessor:
         if m.first_token_time is None:
             m.first_token_time = now
         m.token_times.append(now)  # (one sample: c.index == 0)
-        tid, lp = tok.token_id, tok.logprob
         c.cumulative_logprob += lp
         tlp = c.token_logprobs
         tlp.append(lp)

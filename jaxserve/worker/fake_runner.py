@@ -27,7 +27,8 @@ import numpy as np
 from jaxserve.config import max_blocks_per_seq
 from jaxserve.worker.input_batch import BatchArrays, CachedRequestState, RequestStates, build_batch
 from jaxserve.scheduler.request import Request, RequestStatus
-from jaxserve.worker.runner import RowError, RowResult, RunnerStats, SampledToken
+from jaxserve.worker.runner import (NO_TOP_IDS, NO_TOP_LOGPROBS, RowError, RowResult,
+                                    RunnerStats, SampledToken)
 from jaxserve.scheduler.buckets import BucketPolicy
 from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.scheduler.scheduler import Scheduler
@@ -333,11 +334,15 @@ class FakeRunner:
         """results[rids[i]] = the SampledToken of ids[i]: logprob 0, every alternative the
         token itself (a row of one step-wide array), the top logprobs one shared
         read-only zero row."""
+        make = SampledToken.make
+        if not self.requests.num_logprobs:  # nobody reads the top arrays (SampledToken)
+            for rid, t in zip(rids, ids.tolist()):
+                results[rid] = make(t, 0.0, NO_TOP_IDS, NO_TOP_LOGPROBS)
+            return
         L = self.max_logprobs
         top = list(np.repeat(ids.astype(np.int32), L).reshape(len(rids), L))
         zero = np.zeros(L, np.float32)
         zero.flags.writeable = False
-        make = SampledToken.make
         for rid, t, row in zip(rids, ids.tolist(), top):
             results[rid] = make(t, 0.0, row, zero)
 

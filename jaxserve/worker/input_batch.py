@@ -94,6 +94,7 @@ class RequestStates(dict):
         super().__init__()
         self.num_scoring = 0  # states with a logprob_start (`scoring_plan` skips without)
         self.num_penalised = 0  # states whose sampling reads their outputs (penalties)
+        self.num_logprobs = 0  # states that asked for logprobs (their tokens' top-k read)
         self.block_table = None if max_blocks_per_seq is None else np.zeros(
             (16, max_blocks_per_seq), np.int32)
         self._free_slots = list(range(15, 0, -1))
@@ -109,6 +110,8 @@ class RequestStates(dict):
             self.num_scoring -= 1
         if st is not None and _penalised(st.sampling_params):
             self.num_penalised -= 1
+        if st is not None and _wants_logprobs(st.sampling_params):
+            self.num_logprobs -= 1
         if st is not None and st.slot:
             self.block_table[st.slot, :st.num_blocks] = 0
             self._free_slots.append(st.slot)
@@ -155,6 +158,7 @@ class RequestStates(dict):
             self[new.request_id] = CachedRequestState(new)
             self.num_scoring += new.logprob_start is not None
             self.num_penalised += _penalised(new.sampling_params)
+            self.num_logprobs += _wants_logprobs(new.sampling_params)
         rows: list[CachedRequestState | None] = []
         errors: dict[str, str] = {}
         tables = self.block_table is not None
@@ -320,6 +324,11 @@ def token_lora_slots(out: SchedulerOutput, states: list, token_bucket: int) -> n
                           len(states))
     slots[:int(q.sum())] = np.repeat(per_row, q)
     return slots
+
+
+def _wants_logprobs(p) -> bool:
+    """Whether a row's tokens carry their top-k alternatives to the output processor."""
+    return p is not None and p.logprobs is not None
 
 
 def _penalised(p) -> bool:

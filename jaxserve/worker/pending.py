@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.scheduler.output import SchedulerOutput
-from jaxserve.worker.runner import RowError, RowResult, SampledToken
+from jaxserve.worker.runner import NO_TOP_IDS, NO_TOP_LOGPROBS, RowError, RowResult, SampledToken
 from jaxserve.worker.scoring import merge_scores, split_scores
 
 if TYPE_CHECKING:
@@ -41,9 +42,12 @@ class ModelPending:
         self.launched = None
         r.stats().record_step(out.token_bucket, out.seq_bucket)
         make, get = SampledToken.make, results.get
+        if not r.requests.num_logprobs:  # nobody reads them (`SampledToken`)
+            tops = itertools.repeat(NO_TOP_IDS), itertools.repeat(NO_TOP_LOGPROBS)
+        else:
+            tops = list(top_ids), list(top_lps)
         # Python ints and floats, and row views, made by NumPy in one call each
-        for sr, t, lp, ti, tl in zip(out.scheduled, ids.tolist(), lps.tolist(), list(top_ids),
-                                     list(top_lps)):
+        for sr, t, lp, ti, tl in zip(out.scheduled, ids.tolist(), lps.tolist(), *tops):
             if sr.sample and not isinstance(get(sr.request_id), RowError):
                 results[sr.request_id] = make(t, lp, ti, tl)
         if self.plan is not None:

@@ -35,15 +35,22 @@ class PromptLogprobs:
     top_logprobs: np.ndarray  # f32[m, max_logprobs]
 
 
+NO_TOP_IDS = np.zeros(0, np.int32)
+NO_TOP_LOGPROBS = np.zeros(0, np.float32)
+NO_TOP_IDS.flags.writeable = NO_TOP_LOGPROBS.flags.writeable = False
+
+
 @dataclass(frozen=True)
 class SampledToken:
     """One sampled token for one row: id, its raw logprob, and top alternatives;
-    `prompt` holds the row's prompt logprobs when it was a scoring row."""
+    `prompt` holds the row's prompt logprobs when it was a scoring row. The runners hand
+    every row of a step one shared empty pair of top arrays when no request of theirs
+    asked for logprobs (`RequestStates.num_logprobs`): nothing reads them then."""
 
     token_id: int
     logprob: float
-    top_ids: np.ndarray      # i32[max_logprobs]
-    top_logprobs: np.ndarray  # f32[max_logprobs]
+    top_ids: np.ndarray      # i32[max_logprobs] (or i32[0], see above)
+    top_logprobs: np.ndarray  # f32[max_logprobs] (or f32[0])
     prompt: PromptLogprobs | None = None
 
     @classmethod

@@ -255,3 +255,25 @@ def test_an_id_aborted_and_reused_gets_none_of_the_old_requests_events():
             assert len(c) == 1 and c[0].token_ids == [30, 31, 32, 33, 34, 35], c
             assert c[0].finish_reason == "length"
             assert eng.call(_kv_free)
+
+
+def _tiny_real_engine() -> LLMEngine:
+    from conftest import tiny_engine
+
+    return tiny_engine()
+
+
+def test_the_real_tiny_model_in_the_core_gives_the_one_process_outputs():
+    """The real `ModelRunner` (tiny model, jax in the core process only): greedy and
+    seeded tokens, text, stop strings, n = 2 and logprobs as the one-process engine's."""
+    from conftest import tiny_engine
+    from tests.engine.test_async_scheduling import _tiny_workload, assert_same
+    from tests.engine.test_async_scheduling import final as final_of
+
+    ops = [("add", p, sp) for _, p, sp in _tiny_workload()]
+    with MPEngine(_tiny_real_engine) as eng:
+        got, _ = run_ops(eng, ops, final=final_of, kv_free=lambda e: e.call(_kv_free))
+        assert eng.call(lambda e: e.get_stats()["num_compiles_after_warmup"]) == 0
+    ref, _ = run_ops(tiny_engine(), ops, final=final_of)
+    assert_same(got, ref)
+    assert any(c[3] == "stop" for outs in got.values() for c in outs)
