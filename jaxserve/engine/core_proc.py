@@ -108,6 +108,11 @@ class CoreLoop:
                 pickle.dumps(reply)
             except Exception as e:  # noqa: BLE001 - handed back to the caller
                 reply = ("reply", msg[1], False, e)
+                try:
+                    pickle.dumps(reply)
+                except Exception:  # noqa: BLE001 - an exception that does not pickle
+                    reply = ("reply", msg[1], False,
+                             RuntimeError(f"{type(e).__name__}: {e} (in the engine core)"))
             self.send(reply)
         elif kind == "shutdown":
             return False

@@ -277,3 +277,18 @@ def test_the_real_tiny_model_in_the_core_gives_the_one_process_outputs():
     ref, _ = run_ops(tiny_engine(), ops, final=final_of)
     assert_same(got, ref)
     assert any(c[3] == "stop" for outs in got.values() for c in outs)
+
+
+def test_call_returns_values_and_raises_the_cores_exceptions(mp):
+    """`call`: a value comes back; an exception raised in the core is raised here (one
+    that does not pickle, as a RuntimeError naming it); the core serves on."""
+    assert mp.call(lambda e: e.config.scheduler.max_num_seqs) == 4
+    with pytest.raises(ValueError, match="already paused|not paused"):
+        mp.call(lambda e: e.resume_generation())
+
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("no")
+    with pytest.raises(RuntimeError, match="Unpicklable: inside"):
+        mp.call(lambda e: (_ for _ in ()).throw(Unpicklable("inside")))
+    assert mp.call(_kv_free)
