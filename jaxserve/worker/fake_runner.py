@@ -288,14 +288,14 @@ class FakeRunner:
         return self.placeholders and self.requests.plan_ahead_ok()
 
     def _make_tokens(self, results: dict[str, RowResult], sample: list, masks: dict,
-                     plan: Any) -> None:
+                     plan: Any, tops: bool = True) -> None:
         """The step's scripted tokens (and prompt scores), made once the steps before it
         have recorded theirs."""
         # the default token function (not replaced since): a step hashed at once
         if self.token_fn is self._default_fn and not masks and sample:
             rids = [sr.request_id for sr, _ in sample]
             ids = default_tokens(rids, [sr.output_pos for sr, _ in sample])
-            self._wrap_tokens(results, rids, ids)
+            self._wrap_tokens(results, rids, ids, tops)
         else:
             for sr, req in sample:
                 results[sr.request_id] = self._token(req, sr.output_pos, masks.get(sr.request_id))
@@ -330,12 +330,13 @@ class FakeRunner:
             self._wrap_tokens(results, rids, np.fromiter((results[r] for r in rids), np.int32,
                                                          len(rids)))
 
-    def _wrap_tokens(self, results: dict[str, Any], rids: list[str], ids: np.ndarray) -> None:
+    def _wrap_tokens(self, results: dict[str, Any], rids: list[str], ids: np.ndarray,
+                     tops: bool = True) -> None:
         """results[rids[i]] = the SampledToken of ids[i]: logprob 0, every alternative the
         token itself (a row of one step-wide array), the top logprobs one shared
         read-only zero row."""
         make = SampledToken.make
-        if not self.requests.num_logprobs:  # nobody reads the top arrays (SampledToken)
+        if not tops:  # no request of the step asked for logprobs: nobody reads them
             for rid, t in zip(rids, ids.tolist()):
                 results[rid] = make(t, 0.0, NO_TOP_IDS, NO_TOP_LOGPROBS)
             return
@@ -445,20 +446,23 @@ class FakeRunner:
 class _FakePending:
     """`FakeRunner.dispatch`'s handle: `result()` waits for the simulated device step."""
 
-    __slots__ = ("runner", "out", "results", "end", "sample", "masks", "plan")
+    __slots__ = ("runner", "out", "results", "end", "sample", "masks", "plan", "tops")
 
     def __init__(self, runner: FakeRunner, out: SchedulerOutput, results: dict[str, RowResult],
                  end: float | None, sample: list = (), masks: dict | None = None,
                  plan: Any = None):
         self.runner, self.out, self.results, self.end = runner, out, results, end
         self.sample, self.masks, self.plan = sample, masks or {}, plan
+        # decided at dispatch, as `ModelPending`: a plan made ahead may drop a logprobs
+        # request before this step's tokens are made
+        self.tops = bool(runner.requests.num_logprobs)
 
     def result(self) -> dict[str, RowResult]:
         r, out = self.runner, self.out
         if out.scheduled:
             if self.end is not None:
                 r._wait_device(self.end)
-            r._make_tokens(self.results, self.sample, self.masks, self.plan)
+            r._make_tokens(self.results, self.sample, self.masks, self.plan, self.tops)
             r._stats.record_step(out.token_bucket, out.seq_bucket)
             r.requests.record(out.scheduled, self.results)
         return self.results

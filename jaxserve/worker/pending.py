@@ -26,12 +26,15 @@ class ModelPending:
       launched: `ModelRunner.launch_host_batch`'s device arrays; None when nothing ran.
     """
 
-    __slots__ = ("runner", "out", "results", "plan", "launched")
+    __slots__ = ("runner", "out", "results", "plan", "launched", "tops")
 
     def __init__(self, runner: "ModelRunner", out: SchedulerOutput,
                  results: dict[str, RowResult], plan: Any, launched: tuple[Any, ...] | None):
         self.runner, self.out, self.results = runner, out, results
         self.plan, self.launched = plan, launched
+        # Decided now: a plan made ahead may drop (preempt) a logprobs request before
+        # this step's tokens are fetched, and its token here still needs its top-k.
+        self.tops = bool(runner.requests.num_logprobs)
 
     def result(self) -> dict[str, RowResult]:
         """Raises: a device failure of the step."""
@@ -42,7 +45,7 @@ class ModelPending:
         self.launched = None
         r.stats().record_step(out.token_bucket, out.seq_bucket)
         make, get = SampledToken.make, results.get
-        if not r.requests.num_logprobs:  # nobody reads them (`SampledToken`)
+        if not self.tops:  # nobody reads them (`SampledToken`)
             tops = itertools.repeat(NO_TOP_IDS), itertools.repeat(NO_TOP_LOGPROBS)
         else:
             tops = list(top_ids), list(top_lps)

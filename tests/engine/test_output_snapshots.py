@@ -357,3 +357,41 @@ def test_each_output_keeps_the_weight_versions_of_its_step():
                 at[key] += len(c.token_ids)
             else:
                 assert c.token_weight_versions == version_of[key][:len(c.token_ids)]
+
+
+def test_a_logprobs_request_preempted_by_a_plan_made_ahead_keeps_its_top_k():
+    """The runners hand shared empty top arrays only when no request of the step asked for
+    logprobs, decided at dispatch: the plan made ahead of this step's tokens may preempt
+    (drop) the only logprobs request before they are made, and its token here still
+    carries its top-k (the cold review's pools 10-15 reproduce the preemption)."""
+    from jaxserve.engine.output_processor import OutputProcessor
+
+    short, preempted = [], 0
+    on_token = OutputProcessor._on_token
+
+    def checked(self, c, p, tok, now, fin):
+        if c.logprobs is not None and len(tok.top_ids) < c.request.sampling_params.logprobs:
+            short.append((c.request.request_id, len(c.token_logprobs)))
+        return on_token(self, c, p, tok, now, fin)
+    OutputProcessor._on_token = checked
+    try:
+        for pool in range(8, 20):
+            config = make_engine_config(ModelConfig.tiny(), max_model_len=32, block_size=4,
+                                        num_kv_blocks=pool, max_num_seqs=4,
+                                        max_num_batched_tokens=16, enable_prefix_caching=False)
+            eng = LLMEngine(config, tokenizer=None, runner=FakeRunner.for_config(config),
+                            warmup=False)
+            eng.runner.placeholders = True
+            prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+            try:
+                for rid, lp in (("a", None), ("b", None), ("L", 2)):
+                    eng.add_request(rid, prompt, SamplingParams(max_tokens=12, logprobs=lp,
+                                                                ignore_eos=True))
+            except ValueError:  # a pool too small for one request
+                continue
+            while eng.has_unfinished_requests():
+                eng.step()
+            preempted += eng.scheduler.num_preemptions
+    finally:
+        OutputProcessor._on_token = on_token
+    assert preempted > 0 and short == []
