@@ -13,11 +13,16 @@ step's period is the larger of the two halves instead of their sum.
         for out in engine.step(): ...
     engine.shutdown()
 
-The outputs equal the one-process engine's (tests/engine/test_core_client.py). What
-differs: a request whose stop string is found here has its KV freed a step or two later
-(the tokens the core made after it are dropped here); an add the core refuses (its LoRA
-adapter, its grammar, a sleeping engine with `reject_new`) ends with finish_reason
-"error" and the reason instead of raising; every other engine call goes through `call`.
+Each request's final output equals the one-process engine's
+(tests/engine/test_core_client.py). What differs: a request joins a step later, so which
+`step()` carries which tokens follows the core's pace; a request whose stop string is
+found here has its KV freed a step later (the tokens the core made after it are dropped
+here); an add the core refuses (its LoRA adapter, its grammar, a sleeping engine with
+`reject_new`) ends with finish_reason "error" and the reason instead of raising; a step
+that raises in the core raises here and the core serves on; every other engine call goes
+through `call`. Known gap: when a dispatch fails in the same core step as row errors,
+an n > 1 request may get its outputs in one `RequestOutput` here where the one-process
+engine gives two (the "collect" marker flushes every parent pending here).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from multiprocessing.connection import Connection
@@ -50,6 +56,7 @@ _RUNNING, _LENGTH, _STOPPED = (RequestStatus.RUNNING, RequestStatus.FINISHED_LEN
                                RequestStatus.FINISHED_STOPPED)
 _FINISHED = RequestStatus.FINISHED_STOPPED
 _NO_TOPS = (np.zeros(0, np.int32), np.zeros(0, np.float32))
+_SMALL = 1 << 16  # bytes: commands larger than this are sent while the core's are read
 # A frontend sample's `Request.grammar`: its matcher lives in the core (the output
 # processor only asks whether there is one).
 REMOTE_GRAMMAR = "in the engine core"
@@ -83,18 +90,19 @@ class MPEngine:
         theirs.close()
         self.conn = Connection(ours.detach())
         self._sent = -1  # commands sent after "init"
+        self._sent_adds = 0  # the number of the latest add
         # request / child id -> the number of the command that added it, while a step the
         # core ran before that command may still arrive (its events are the id's last use)
         self._born: dict[str, int] = {}
         self._send(("init", cloudpickle.dumps(factory), logging.getLogger().getEffectiveLevel(),
                     list(sys.path)))
-        if startup_timeout is not None and not self.conn.poll(startup_timeout):
-            self.shutdown()
-            raise EngineCoreError(f"the engine core was not ready in {startup_timeout} s")
-        msg = self._recv()
-        if msg[0] != "ready":
-            self.shutdown()
-            raise EngineCoreError(f"the engine core failed to start: {msg[1]}")
+        try:
+            if startup_timeout is not None and not self.conn.poll(startup_timeout):
+                raise EngineCoreError(f"the engine core was not ready in {startup_timeout} s")
+            msg = self._recv()
+        except BaseException:
+            self.shutdown(timeout=0.0)
+            raise
         view = msg[1]
         self.config, self.tokenizer = view["config"], view["tokenizer"]
         self.eos_token_ids, self.model_name = view["eos_token_ids"], view["model_name"]
@@ -112,8 +120,44 @@ class MPEngine:
         self._send_blob(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _send_blob(self, blob: bytes) -> None:
-        self.conn.send_bytes(blob)
+        """Send one command. A large one is sent while a thread reads what the core sends
+        meanwhile: the core may itself be blocked sending a large step (prompt logprobs)
+        and reads commands only between steps; both sides blocked would deadlock."""
+        try:
+            if len(blob) <= _SMALL:
+                self.conn.send_bytes(blob)
+            else:
+                self._send_draining(blob)
+        except OSError as e:
+            raise EngineCoreError(f"the engine core process is gone ({e})") from None
         self._sent += 1  # the core counts the commands it applied alike
+
+    def _send_draining(self, blob: bytes) -> None:
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def drain() -> None:
+            try:
+                while not done.is_set():
+                    if self.conn.poll(0.005):
+                        self._keep(self._recv())
+            except BaseException as e:  # noqa: BLE001 - raised by the caller's next read
+                failed.append(e)
+        reader = threading.Thread(target=drain, name="jaxserve-core-drain", daemon=True)
+        reader.start()
+        try:
+            self.conn.send_bytes(blob)
+        finally:
+            done.set()
+            reader.join()
+        if failed:
+            raise failed[0]
+
+    def _keep(self, msg: tuple) -> None:
+        if msg[0] == "step":
+            self._steps.append(msg)
+        else:
+            self._replies[msg[1]] = msg
 
     def _recv(self) -> tuple:
         try:
@@ -131,11 +175,7 @@ class MPEngine:
                 return self._steps.popleft()
             if kind == "reply" and call_id in self._replies:
                 return self._replies.pop(call_id)
-            msg = self._recv()
-            if msg[0] == "step":
-                self._steps.append(msg)
-            else:
-                self._replies[msg[1]] = msg
+            self._keep(self._recv())
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int] | None = None,
@@ -157,8 +197,9 @@ class MPEngine:
             req.status = _RUNNING
             if grammar:
                 req.grammar = REMOTE_GRAMMAR
+        self._send_blob(blob)  # (raises before anything is registered here)
         self.outputs.add(p)
-        self._send_blob(blob)
+        self._sent_adds = self._sent
         born = self._born
         born[p.request_id] = self._sent
         for req in p.children:
@@ -180,16 +221,19 @@ class MPEngine:
         one after it first, so it computes that while these are assembled."""
         if not self.has_unfinished_requests():
             return []
-        if not self._credits:
+        t0 = time.perf_counter()
+        while True:
+            if not self._credits:
+                self._send(("credit",))
+                self._credits += 1
+            events = self._next("step")[1]
+            self._credits -= 1
             self._send(("credit",))
             self._credits += 1
-        t0 = time.perf_counter()
-        msg = self._next("step")
+            if not _idle(events, self._sent_adds):
+                break  # (else: a step run before our latest add, with nothing in it)
         self.last_wait_s = time.perf_counter() - t0
-        self._credits -= 1
-        self._send(("credit",))
-        self._credits += 1
-        return self._apply(msg[1], msg[2])
+        return self._apply(events)
 
     def call(self, fn: Callable[[Any], Any]) -> Any:
         """fn(engine) in the core between two steps (e.g. `lambda e: e.update_params(w)`);
@@ -202,14 +246,14 @@ class MPEngine:
             raise value
         return value
 
-    def shutdown(self) -> None:
-        """Stop the core process (killed after 10 s)."""
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core process (killed after `timeout` seconds)."""
         try:
-            self._send(("shutdown",))
+            self.conn.send_bytes(pickle.dumps(("shutdown",)))
         except OSError:
             pass
         try:
-            self._proc.wait(10)
+            self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
@@ -222,20 +266,22 @@ class MPEngine:
         self.shutdown()
 
     # ------------------------------------------------------------ one step's events
-    def _apply(self, applied: int, events: list[tuple]) -> list[RequestOutput]:
+    def _apply(self, events: list[tuple]) -> list[RequestOutput]:
         """Replay the core's events through the output processor, in order; collect where
-        the core's engine collected. `applied`: the commands the core had applied before
-        the step; an id added by a later command is not the one the events speak of (an
-        id aborted and reused meanwhile), so they are dropped for it."""
-        stale = frozenset()
-        if self._born:
-            stale = frozenset(i for i, n in self._born.items() if n > applied)
-            self._born = {i: n for i, n in self._born.items() if n > applied}
-        if stale:
-            events = [_without(ev, stale) for ev in events]
+        the core's engine collected. ("applied", n) markers: what follows was recorded
+        when the core had applied n commands, so an id added by a later command is not
+        the one it speaks of (an id aborted or ended and reused meanwhile): dropped."""
         outs, changed, op = [], [], self.outputs
+        stale: frozenset = frozenset()
+        raised = None
         for ev in events:
             kind = ev[0]
+            if kind == "applied":
+                stale = self._stale_after(ev[1])
+                continue
+            if stale:
+                ev = _without(ev, stale)
+                kind = ev[0]
             if kind == "tokens":
                 changed += self._tokens(*ev[1:])
             elif kind == "collect":
@@ -261,7 +307,24 @@ class MPEngine:
                         changed.append(op.end_by_grammar(cid, error))
             elif kind == "rejected":
                 changed += self._rejected(ev[1], ev[2])
-        return outs + op.collect(changed)
+            elif kind == "aborted":  # by the core's own call (e.g. abort_older_than)
+                op.pop(ev[1])
+            elif kind == "raised":
+                raised = ev[1]
+        outs += op.collect(changed)
+        if raised is not None:
+            raise RuntimeError(f"engine step failed in the engine core: {raised}")
+        return outs
+
+    def _stale_after(self, applied: int) -> frozenset:
+        """The ids added after command `applied`; forgets those added before it."""
+        born = self._born
+        if not born:
+            return frozenset()
+        stale = frozenset(i for i, n in born.items() if n > applied)
+        if len(stale) < len(born):
+            self._born = {i: born[i] for i in stale}
+        return stale
 
     def _tokens(self, version: int, cids: list[str], ids: list[int], lps: list[float],
                 tops: dict, finished: list) -> list:
@@ -309,9 +372,18 @@ def _without(ev: tuple, stale: frozenset) -> tuple:
         return (kind, tuple(x for x in ev[1] if x[0] not in stale)) + ev[2:]
     if kind == "scores":
         return ("scores", {c: v for c, v in ev[1].items() if c not in stale})
-    if kind == "scheduled" and ev[1] in stale:
+    if kind in ("scheduled", "rejected", "aborted") and ev[1] in stale:
         return ("none",)
     return ev
+
+
+def _idle(events: list[tuple], latest_add: int) -> bool:
+    """A step message with nothing in it, from a step the core ran before our latest add
+    (an idle core runs the credit left out): `step()` waits for the next one."""
+    if any(ev[0] not in ("applied", "collect") for ev in events):
+        return False
+    marks = [ev[1] for ev in events if ev[0] == "applied"]
+    return bool(marks) and marks[-1] < latest_add
 
 
 class FrontendOutputs(OutputProcessor):

@@ -20,6 +20,11 @@ calls the output processor, and it records what happened in call order (`Event`s
   finished after this step's token (complete: "stop"; a dead end: "error").
 - ("collect",): the engine collected its outputs here (the frontend does too, so each
   `RequestOutput` spans the same tokens as the one-process engine's).
+- ("aborted", request_id): the engine aborted a request (`LLMEngine.abort`, e.g. from
+  `abort_older_than`); no output, as in one process.
+The core loop adds ("applied", n) (n commands applied when what follows was recorded),
+("rejected", request_id, why) for an add that raised, and ("raised", why) for a step
+that raised (`jaxserve.engine.core_proc`).
 
 Stop strings are the frontend's: it finds them in the text and finishes the request here
 through `LLMEngine.stop_by_string`. A sample's tokens sampled after that (the core runs a
@@ -71,6 +76,7 @@ class CoreOutputs:
 
     # ------------------------------------------------------------ bookkeeping
     def add(self, p: ProcessedRequest) -> None:
+        self._drop(p.request_id)  # an earlier request of that id, ended but not yet forgotten
         self._children[p.request_id] = list(p.children)
         for req in p.children:
             cid = req.request_id
@@ -90,6 +96,13 @@ class CoreOutputs:
         return [rid for rid, v in self._started.items() if v < version]
 
     def pop(self, request_id: str) -> list[Request] | None:
+        """The engine aborted the request (for the frontend too, if it did not ask)."""
+        children = self._drop(request_id)
+        if children is not None:
+            self.events.append(("aborted", request_id))
+        return children
+
+    def _drop(self, request_id: str) -> list[Request] | None:
         children = self._children.pop(request_id, None)
         if children is None:
             return None
@@ -105,7 +118,7 @@ class CoreOutputs:
         their final outputs from the events)."""
         for pid in {self._parent_of[c] for c in child_ids if c in self._parent_of}:
             if all(r.status >= _FINISHED for r in self._children[pid]):
-                self.pop(pid)
+                self._drop(pid)
 
     def request(self, child_id: str) -> Request | None:
         """The live sample `child_id`'s Request, else None."""

@@ -11,12 +11,12 @@ Protocol (pickled tuples over one socket; the frontend's side is `MPEngine`):
     [request ids]), ("stop", [child ids]) (stop strings found in their text), ("finish",
     [(child id, status)]) (the frontend's output processing failed them), ("call", id,
     fn (cloudpickle)) (fn(engine) between steps), ("shutdown",).
-  core -> frontend: ("ready", view) or ("failed", why) once, then ("step", applied,
-    events) per credit (applied: the commands applied before that step) (`CoreOutputs` events, "rejected" for an add that raised) and ("reply", id,
-    ok, value) per call.
+  core -> frontend: ("ready", view) or ("failed", why) once, then ("step", events) per
+    credit (`CoreOutputs` events, with ("applied", n) markers: n commands applied when
+    the events after it were recorded; "rejected" for an add that raised, "raised" for
+    a step that raised) and ("reply", id, ok, value) per call.
 A step runs only against a credit: the frontend sends the next one before it processes
-the step it got, so the core computes step n+1 meanwhile and is never more than two
-steps ahead.
+the step it got, so the core computes step n+1 meanwhile and is at most one step ahead.
 """
 
 from __future__ import annotations
@@ -70,12 +70,21 @@ class CoreLoop:
         conn = self.conn
         while True:
             while self.credits == 0 or conn.poll():
+                self.applied += 1
+                events = self.sink.events
+                mark = len(events)
                 if not self.handle(pickle.loads(conn.recv_bytes())):
                     return
-                self.applied += 1
+                if len(events) > mark:  # e.g. a call's aborts: recorded while applying it
+                    events.insert(mark, ("applied", self.applied))
             self.credits -= 1
-            self.engine.step()  # its outputs are the sink's events
-            self.send(("step", self.applied, self.sink.take()))
+            self.sink.events.append(("applied", self.applied))
+            try:
+                self.engine.step()  # its outputs are the sink's events
+            except Exception as e:  # noqa: BLE001 - the caller's step() raises it; we go on
+                logger.exception("engine step failed in the core")
+                self.sink.events.append(("raised", f"{type(e).__name__}: {e}"))
+            self.send(("step", self.sink.take()))
 
     def handle(self, msg: tuple) -> bool:
         """Apply one command; False on "shutdown"."""

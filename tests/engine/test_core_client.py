@@ -292,3 +292,127 @@ def test_call_returns_values_and_raises_the_cores_exceptions(mp):
     with pytest.raises(RuntimeError, match="Unpicklable: inside"):
         mp.call(lambda e: (_ for _ in ()).throw(Unpicklable("inside")))
     assert mp.call(_kv_free)
+
+
+def _drain(eng) -> dict:
+    outs = {}
+    for _ in range(500):
+        if not eng.has_unfinished_requests():
+            return outs
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+    raise AssertionError("MPEngine did not finish its requests in 500 steps")
+
+
+def test_what_a_call_ends_reaches_the_frontend_and_never_a_reused_id():
+    """The cold review's cases. An abort done in the core (`abort_older_than` through
+    `call`) ends the request here too (no output, as in one process; no endless step()).
+    A pause's abort through `call`, then the id aborted and reused at once: the failure
+    recorded while the call ran is the old request's, not the new one's; the same for a
+    refused add whose id is reused. The core holds nothing afterwards."""
+    with MPEngine(functools.partial(build, refuse="bad")) as eng:
+        eng.add_request("a", "abcd", SamplingParams(max_tokens=20))
+        eng.step()
+        assert eng.call(lambda e: e.abort_older_than(1)) == ["a"]
+        assert _drain(eng) == {} and not eng.has_unfinished_requests()
+        eng.add_request("r", "abcd", SamplingParams(max_tokens=20))
+        eng.step(), eng.step()
+        eng.call(lambda e: e.pause_generation("abort"))
+        eng.call(lambda e: e.resume_generation())
+        assert eng.abort("r")
+        eng.add_request("r", "xyz", SamplingParams(max_tokens=6, temperature=0.0))
+        c = _drain(eng)["r"].outputs[0]
+        assert (c.finish_reason, c.error, len(c.token_ids)) == ("length", None, 6)
+        eng.add_request("xbad", "abcd", SamplingParams(max_tokens=3))
+        assert eng.abort("xbad")
+        eng.add_request("xbad", "abcd", SamplingParams(max_tokens=3), lora_request=None)
+        out = _drain(eng)["xbad"].outputs[0]  # the core refuses it again: its own error
+        assert out.finish_reason == "error" and out.error == "ValueError: refused xbad"
+        assert eng.call(lambda e: e.outputs.num_live) == 0 and eng.call(_kv_free)
+
+
+def test_the_first_step_after_idle_has_the_new_requests_output():
+    """An idle core runs the credit left out; that empty step is not handed back as the
+    first step() after an add (the one-process engine's first step has the request)."""
+    ref = build()
+    ref.add_request("b", "abcd", SamplingParams(max_tokens=3))
+    want = [o.request_id for o in ref.step()]
+    with MPEngine(build) as eng:
+        eng.add_request("a", "abcd", SamplingParams(max_tokens=2))
+        _drain(eng)
+        eng.add_request("b", "abcd", SamplingParams(max_tokens=3))
+        assert [o.request_id for o in eng.step()] == want == ["b"]
+        _drain(eng)
+
+
+def _long_prompt_engine() -> LLMEngine:
+    model = ModelConfig.tiny(max_position_embeddings=32768)
+    config = make_engine_config(model, max_model_len=32768, block_size=16, num_kv_blocks=4096,
+                                max_num_seqs=4, max_num_batched_tokens=8192,
+                                enable_prompt_logprobs=True)
+    runner = FakeRunner.for_config(config, token_fn=counting_token(model.vocab_size, 2),
+                                   step_delay=0.3)
+    return LLMEngine(config, tokenizer=tiny_tokenizer(), runner=runner, warmup=False)
+
+
+def test_a_large_command_while_the_core_sends_a_large_step_does_not_deadlock():
+    """The core blocked sending a chunk's prompt logprobs (MBs) while the frontend sends a
+    20 MB `call` (a weight tree, say): the frontend reads while it sends."""
+    import threading
+
+    with MPEngine(_long_prompt_engine) as eng:
+        eng.add_request("b", list(range(4, 60)) * 500, SamplingParams(max_tokens=4,
+                                                                      prompt_logprobs=20))
+        eng.step()  # chunk 1 read; the core now runs chunk 2, a large message too
+        big = b"x" * (20 << 20)
+        done = []
+        t = threading.Thread(target=lambda: done.append(eng.call(lambda e, w=big: len(w))),
+                             daemon=True)
+        t.start()
+        t.join(60)
+        if not done:  # deadlocked: free the test process's socket before failing
+            os.kill(eng._proc.pid, 9)
+        assert done == [len(big)], "call blocked: both sides sending"
+        out = _drain(eng)["b"]
+        assert out.outputs[0].finish_reason == "length" and len(out.prompt_logprobs) == 28000
+
+
+def _raises_once() -> LLMEngine:
+    eng = build()
+    step, calls = eng._step, [0]
+
+    def _step(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("planning broke once")
+        return step(*a, **kw)
+    eng._step = _step
+    return eng
+
+
+def test_a_step_that_raises_in_the_core_raises_here_and_the_core_serves_on():
+    with MPEngine(_raises_once) as eng:
+        eng.add_request("a", "abcd", SamplingParams(max_tokens=5, temperature=0.0))
+        with pytest.raises(RuntimeError, match="planning broke once"):
+            for _ in range(10):
+                eng.step()
+        out = _drain(eng)["a"].outputs[0]
+        assert out.finish_reason == "length" and len(out.token_ids) == 5
+        assert eng.call(_kv_free)
+
+
+def test_delta_outputs_add_up_to_the_one_process_outputs(mp):
+    """RequestOutputKind.DELTA (n = 2, a stop string, logprobs): each sample's deltas,
+    joined, are the one-process engine's cumulative output (which steps carry which
+    delta follows the core's pace, so the deltas themselves are not compared)."""
+    kw = dict(n=2, max_tokens=12, temperature=1.0, seed=5, stop=("hi",), logprobs=1)
+    ref = build(fail_rows=True)
+    ref.add_request("d", "abcdefgh", SamplingParams(**kw))
+    want = {c.index: (c.token_ids, c.text, c.finish_reason) for c in drain(ref)["d"].outputs}
+    mp.add_request("d", "abcdefgh", SamplingParams(**kw, output_kind=RequestOutputKind.DELTA))
+    got = {0: ([], "", None), 1: ([], "", None)}
+    while mp.has_unfinished_requests():
+        for o in mp.step():
+            for c in o.outputs:
+                ids, text, _ = got[c.index]
+                got[c.index] = (ids + c.token_ids, text + c.text, c.finish_reason)
+    assert got == want
