@@ -3,6 +3,7 @@
     jaxserve bench host                                  # 16/64/256 running, D = 1 and 2 ms
     jaxserve bench host --rows=64 --device_ms=1 --seconds=5
     jaxserve bench host --real --rows=16,64              # the real ModelRunner, tiny model
+    jaxserve bench host --engine_process                 # MPEngine: the core in a process
 
 The set-up is issue 24's: `make_engine_config(ModelConfig.smollm2_135m(),
 max_num_seqs=N, max_num_batched_tokens=max(2048, N), num_kv_blocks=128*N+1,
