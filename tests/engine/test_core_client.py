@@ -183,7 +183,8 @@ def test_whole_step_failures_end_as_in_one_process():
 
 def test_an_add_the_core_refuses_ends_with_its_error():
     with MPEngine(functools.partial(build, refuse="bad")) as eng:
-        eng.add_request("ok", "abcd", SamplingParams(max_tokens=3))
+        eng.add_request("ok", "abcd", SamplingParams(max_tokens=3, temperature=0.0,
+                                                     ignore_eos=True))  # (no EOS by chance)
         eng.add_request("bad", "abcd", SamplingParams(max_tokens=3, n=2))
         outs = {}
         while eng.has_unfinished_requests():
@@ -360,8 +361,8 @@ def test_a_large_command_while_the_core_sends_a_large_step_does_not_deadlock():
     import threading
 
     with MPEngine(_long_prompt_engine) as eng:
-        eng.add_request("b", list(range(4, 60)) * 500, SamplingParams(max_tokens=4,
-                                                                      prompt_logprobs=20))
+        eng.add_request("b", list(range(4, 60)) * 500, SamplingParams(  # (no EOS by chance)
+            max_tokens=4, prompt_logprobs=20, temperature=0.0, ignore_eos=True))
         eng.step()  # chunk 1 read; the core now runs chunk 2, a large message too
         big = b"x" * (20 << 20)
         done = []
