@@ -46,7 +46,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from jaxserve.bench.host_common import HostResult, _engine, _row, add_requests
+from jaxserve.bench.host_common import HostResult, _engine, _row, add_requests, server_heap
 
 PHASES = ("schedule", "runner_host", "update", "output", "other")
 
@@ -124,17 +124,9 @@ def run_case(rows: int, device_ms: float, *, seconds: float, real: bool, tokeniz
 
     engine = _engine(rows, device_ms, real, tokenizer, async_scheduling, stream_interval)
     engine.runner.placeholders = placeholders  # the real runner's default on CPU is off
-    # The heap a server process has after warm-up (`freeze_gc_heap` runs once a process,
-    # so a second case here would otherwise run with its engine unfrozen).
-    gc.collect()
-    gc.freeze()
-    saved = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD if gc_young is None else gc_young, *saved[1:])
-    try:
+    with server_heap(GC_YOUNG_THRESHOLD if gc_young is None else gc_young):
         return _timed_case(engine, rows, device_ms, seconds, real, async_scheduling,
                            stream_interval, placeholders, tokenizer, log)
-    finally:
-        gc.set_threshold(*saved)
 
 
 def _timed_case(engine: Any, rows: int, device_ms: float, seconds: float, real: bool,

@@ -3,8 +3,10 @@ engine, its prompt, and one result line."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 PROMPT = "Explain in detail how a hash map handles collisions, and compare open addressing " \
          "with separate chaining."
@@ -68,6 +70,27 @@ def _row(r: HostResult) -> str:
             f"  cpu={r.cpu_ms_per_step:6.2f} ms"
             f"  idle={r.device_idle:5.1%}  [{ph}]"
             + ("" if r.h2d_kib_per_step is None else f"  h2d={r.h2d_kib_per_step:.0f} KiB/step"))
+
+
+def freeze_heap(young: int) -> tuple[int, int, int]:
+    """The heap a server process has after warm-up: everything alive now frozen
+    (`freeze_gc_heap` runs once a process, so a second case here would otherwise run
+    unfrozen), the cyclic GC's young threshold `young`. Returns the thresholds before."""
+    gc.collect()
+    gc.freeze()
+    saved = gc.get_threshold()
+    gc.set_threshold(young, *saved[1:])
+    return saved
+
+
+@contextlib.contextmanager
+def server_heap(young: int) -> Iterator[None]:
+    """`freeze_heap(young)`, the thresholds put back after."""
+    saved = freeze_heap(young)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
 
 
 def add_requests(engine: Any, rows: int, tokenizer: Any) -> tuple[list[str], Any]:

@@ -15,25 +15,24 @@ process waited for the core's next step, and the phases are this process's CPU t
 from __future__ import annotations
 
 import functools
-import gc
 import time
 from typing import Any, Callable
 
-from jaxserve.bench.host_common import HostResult, _engine, _row, add_requests
+from jaxserve.bench.host_common import (HostResult, _engine, _row, add_requests, freeze_heap,
+                                        server_heap)
 
 
 def _core_engine(rows: int, device_ms: float, tokenizer: Any, stream_interval: int,
                  gc_young: int) -> Any:
     """The bench's engine, built in the core process, its heap frozen as a server's."""
     engine = _engine(rows, device_ms, False, tokenizer, True, stream_interval)
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(gc_young, *gc.get_threshold()[1:])
+    freeze_heap(gc_young)  # for the core process's life
     return engine
 
 
-def _core_clock(engine: Any) -> tuple[float, float, float]:
-    return engine.runner.device_busy_s, time.process_time(), time.perf_counter()
+def _core_clock(engine: Any) -> tuple[float, float]:
+    """The core's device busy seconds and its process's CPU seconds (all threads)."""
+    return engine.runner.device_busy_s, time.process_time()
 
 
 def run_case_split(rows: int, device_ms: float, *, seconds: float, tokenizer: Any,
@@ -46,14 +45,10 @@ def run_case_split(rows: int, device_ms: float, *, seconds: float, tokenizer: An
     young = GC_YOUNG_THRESHOLD if gc_young is None else gc_young
     eng = MPEngine(functools.partial(_core_engine, rows, device_ms, tokenizer,
                                      stream_interval, young))
-    saved = gc.get_threshold()
     try:
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(young, *saved[1:])
-        return _timed(eng, rows, device_ms, seconds, tokenizer, young, log)
+        with server_heap(young):
+            return _timed(eng, rows, device_ms, seconds, tokenizer, young, log)
     finally:
-        gc.set_threshold(*saved)
         eng.shutdown()
 
 
@@ -70,7 +65,7 @@ def _timed(eng: Any, rows: int, device_ms: float, seconds: float, tokenizer: Any
         for o in eng.step():  # the prefills
             last[o.request_id] = o
     n0 = made()
-    busy0, cpu0, _ = eng.call(_core_clock)
+    busy0, cpu0 = eng.call(_core_clock)
     left = min(sp.max_tokens - n for n in n0.values())
     steps, waited, t0, fcpu0 = 0, 0.0, time.perf_counter(), time.thread_time()
     while time.perf_counter() - t0 < seconds and steps < left - 3:  # the core runs ahead
@@ -79,7 +74,7 @@ def _timed(eng: Any, rows: int, device_ms: float, seconds: float, tokenizer: Any
         waited += eng.last_wait_s
         steps += 1
     wall, fcpu = time.perf_counter() - t0, time.thread_time() - fcpu0
-    busy1, cpu1, _ = eng.call(_core_clock)
+    busy1, cpu1 = eng.call(_core_clock)
     if steps >= left - 3:
         log(f"  window {wall:.2f} s, not {seconds:g} s: ended {steps} steps in, before the "
             f"{left} tokens the requests had left")

@@ -28,34 +28,29 @@ engine gives two (the "collect" marker flushes every parent pending here).
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import cloudpickle
-import numpy as np
 
+from jaxserve.engine.core_proc import spawn
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import FinishRequests, OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.request import RequestStatus
-from jaxserve.worker.runner import SampledToken
+from jaxserve.worker.runner import NO_TOP_IDS, NO_TOP_LOGPROBS, SampledToken
 
 logger = logging.getLogger(__name__)
 
 _RUNNING, _LENGTH, _STOPPED = (RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH,
                                RequestStatus.FINISHED_STOPPED)
-_FINISHED = RequestStatus.FINISHED_STOPPED
-_NO_TOPS = (np.zeros(0, np.int32), np.zeros(0, np.float32))
+_NO_TOPS = (NO_TOP_IDS, NO_TOP_LOGPROBS)  # a token whose request asked for no logprobs
 _SMALL = 1 << 16  # bytes: commands larger than this are sent while the core's are read
 # A frontend sample's `Request.grammar`: its matcher lives in the core (the output
 # processor only asks whether there is one).
@@ -79,16 +74,7 @@ class MPEngine:
     """
 
     def __init__(self, factory: Callable[[], Any], *, startup_timeout: float | None = None):
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "")
-                                                      .split(os.pathsep) if p])
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.engine.core_proc", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], env=env)
-        theirs.close()
-        self.conn = Connection(ours.detach())
+        self._proc, self.conn = spawn("jaxserve.engine.core_proc")
         self._sent = -1  # commands sent after "init"
         self._sent_adds = 0  # the number of the latest add
         # request / child id -> the number of the command that added it, while a step the
@@ -287,14 +273,8 @@ class MPEngine:
             elif kind == "collect":
                 outs += op.collect(changed)
                 changed = []
-            elif kind == "fail":  # (not a sample this side ended already: a stop string)
-                failed = []
-                for cid, status in ev[1]:
-                    req = op.request(cid)
-                    if req is not None and req.status < _FINISHED:
-                        req.status = RequestStatus(status)
-                        failed.append(cid)
-                changed += op.fail(failed, ev[2])
+            elif kind == "fail":
+                changed += self._fail(ev[1], ev[2])
             elif kind == "scheduled":
                 op.scheduled(ev[1], ev[2])
             elif kind == "scores":
@@ -343,7 +323,7 @@ class MPEngine:
         failed = []
         for cid, status in fin.finished:
             req = request(cid)
-            if req is not None and req.status < _FINISHED:
+            if req is not None and not req.is_finished:
                 req.status = status
                 failed.append((cid, status))
         if stop:
@@ -352,12 +332,21 @@ class MPEngine:
             self._send(("finish", failed))
         return progressed
 
+    def _fail(self, samples: Sequence[tuple[str, int]], message: str) -> list[str]:
+        """Samples (child id, status) the engine failed with `message`, each given that
+        status here, except one this side ended already (a stop string); their parents."""
+        failed = []
+        for cid, status in samples:
+            req = self.outputs.request(cid)
+            if req is not None and not req.is_finished:
+                req.status = RequestStatus(status)
+                failed.append(cid)
+        return self.outputs.fail(failed, message)
+
     def _rejected(self, request_id: str, message: str) -> list[str]:
         """The core refused an add: its samples fail with `message`."""
-        children = self.outputs.requests_of(request_id)
-        for req in children:
-            req.status = RequestStatus.FINISHED_ERROR
-        return self.outputs.fail([req.request_id for req in children], message)
+        return self._fail([(req.request_id, RequestStatus.FINISHED_ERROR)
+                           for req in self.outputs.requests_of(request_id)], message)
 
 
 def _without(ev: tuple, stale: frozenset) -> tuple:

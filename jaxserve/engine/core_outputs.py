@@ -26,9 +26,10 @@ The core loop adds ("applied", n) (n commands applied when what follows was reco
 ("rejected", request_id, why) for an add that raised, and ("raised", why) for a step
 that raised (`jaxserve.engine.core_proc`).
 
-Stop strings are the frontend's: it finds them in the text and finishes the request here
-through `LLMEngine.stop_by_string`. A sample's tokens sampled after that (the core runs a
-step or two ahead) are dropped by the frontend, so outputs equal the one-process engine's.
+Stop strings are the frontend's: it finds them in the text and sends a "stop" command,
+which finishes the request here through `Scheduler.stop_by_string`. A sample's tokens
+sampled after that (the core runs one step ahead) are dropped by the frontend, so outputs
+equal the one-process engine's.
 Timestamps are `time.monotonic()`, one clock for every process of the machine.
 """
 
@@ -41,7 +42,8 @@ from jaxserve.engine.output_processor import FinishRequests, grammar_dead_end
 from jaxserve.scheduler.request import Request, RequestStatus
 from jaxserve.worker.runner import PromptLogprobs, SampledToken
 
-_FINISHED = RequestStatus.FINISHED_STOPPED  # statuses >= this one are final
+_FINISHED = RequestStatus.FINISHED_STOPPED  # statuses >= this one are final (the hot
+# loop of `process_tokens` compares with it instead of calling `Request.is_finished`)
 
 Event = tuple
 
@@ -117,7 +119,7 @@ class CoreOutputs:
         """Forget the requests all of whose samples have finished (the frontend collects
         their final outputs from the events)."""
         for pid in {self._parent_of[c] for c in child_ids if c in self._parent_of}:
-            if all(r.status >= _FINISHED for r in self._children[pid]):
+            if all(r.is_finished for r in self._children[pid]):
                 self._drop(pid)
 
     def request(self, child_id: str) -> Request | None:

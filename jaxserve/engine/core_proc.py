@@ -24,13 +24,33 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
+import subprocess
 import sys
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
 logger = logging.getLogger("jaxserve.engine.core_proc")
+
+
+def spawn(module: str) -> tuple[subprocess.Popen, Connection]:
+    """Start `python -m module FD` (a fresh interpreter: no fork of jax's threads) with one
+    end of a socket pair as FD; returns the process and our end. In a source checkout the
+    child imports `jaxserve` from it (PYTHONPATH). Used by `MPEngine` and by the server's
+    `--engine_process` (`jaxserve.server.engine_process`)."""
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ)
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").exists():  # a source checkout: `jaxserve` imports from it
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())],
+                            pass_fds=[theirs.fileno()], env=env)
+    theirs.close()
+    return proc, Connection(ours.detach())
 
 
 def to_core(engine: Any) -> Any:

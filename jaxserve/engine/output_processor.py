@@ -170,11 +170,9 @@ class OutputProcessor:
         """Stamp first_scheduled_time of the requests in this plan (a request's first
         plan always carries its `NewRequestData`, so only those rows are looked at)."""
         for nr in out.scheduled_new_reqs:
-            if nr.request_id not in self._child_of:
-                continue
-            m = self._parent(nr.request_id).metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
+            at = self._child_of.get(nr.request_id)
+            if at is not None:
+                self.scheduled(at[0], now)
 
     def fail(self, child_ids: Iterable[str], message: str) -> list[str]:
         """Record `message` as the error of these samples (the scheduler has finished
@@ -259,9 +257,8 @@ class OutputProcessor:
         grammar (checked by the caller), in one pass: the same fields, the same order of
         state changes (a detokenizer error leaves the sample as `_on_token` would)."""
         self.generation_tokens_total += 1
-        if c.version != self.weight_version:
-            c.version = v = self.weight_version
-            c.version_runs.append((len(c.token_logprobs), v))
+        if c.version != self.weight_version:  # (compared inline: once a row a step)
+            _new_version_run(c, self.weight_version)
         m = p.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -297,8 +294,7 @@ class OutputProcessor:
                   fin: FinishRequests) -> None:
         self.generation_tokens_total += 1
         if c.version != self.weight_version:
-            c.version = v = self.weight_version
-            c.version_runs.append((len(c.token_logprobs), v))
+            _new_version_run(c, self.weight_version)
         if p.metrics.first_token_time is None:
             p.metrics.first_token_time = now
         if c.index == 0:
@@ -479,6 +475,13 @@ class OutputProcessor:
         if reason is not None:
             c.final_sent = True
         return out
+
+
+def _new_version_run(c: _Child, version: int) -> None:
+    """Sample `c`'s next token (index len(token_logprobs)) is the first sampled under
+    weight `version`."""
+    c.version = version
+    c.version_runs.append((len(c.token_logprobs), version))
 
 
 def grammar_dead_end(g: Any, token_id: int) -> str:

@@ -37,16 +37,12 @@ import concurrent.futures
 import importlib
 import itertools
 import logging
-import os
 import pickle
 import queue
-import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, Callable
 
 import cloudpickle
@@ -241,17 +237,9 @@ class ProcessAsyncEngine(AsyncEngine):
     def start(self, loop: Any) -> None:
         """Start the engine process and the thread that reads its messages."""
         self._loop = loop
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        root = Path(__file__).resolve().parents[2]
-        if (root / "pyproject.toml").exists():  # a source checkout: `jaxserve` imports from it
-            env["PYTHONPATH"] = os.pathsep.join(
-                [str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.server.engine_main", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], env=env)
-        theirs.close()
-        self.conn = Connection(ours.detach())
+        from jaxserve.engine.core_proc import spawn
+
+        self._proc, self.conn = spawn("jaxserve.server.engine_main")
         self._commands.start()
         self.conn.send(("init", self._blob, self.max_queued_requests,
                         logging.getLogger().getEffectiveLevel(), list(sys.path)))
