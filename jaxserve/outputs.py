@@ -139,8 +139,7 @@ class VersionRuns(ListPrefix):
     __slots__ = ("start",)
 
     def __init__(self, runs: list[tuple[int, int]], n: int, start: int = 0):
-        super().__init__(runs, n)
-        self.start = start
+        self.base, self.n, self.start = runs, n, start  # (no super() call: one made a row a step)
 
     def materialize(self) -> list:
         runs, n, out = self.base, self.n, []

@@ -45,7 +45,7 @@ def main() -> None:
         eng.step()
     toks = np.random.default_rng(0).integers(100, 20000, size=(2 * a.steps, a.rows)).tolist()
     top, zero = np.zeros(20, np.int32), np.zeros(20, np.float32)
-    steps = [{rid: SampledToken.make(t, -0.5, top, zero) for rid, t in zip(ids, row)}
+    steps = [{rid: SampledToken(t, -0.5, top, zero) for rid, t in zip(ids, row)}
              for row in toks]
     out = eng.outputs
     gc.collect()

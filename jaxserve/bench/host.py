@@ -46,7 +46,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from jaxserve.bench.host_common import HostResult, _engine, _row, add_requests, server_heap
+from jaxserve.bench.host_common import (HostResult, _engine, _row, add_requests, check_texts,
+                                        server_heap)
 
 PHASES = ("schedule", "runner_host", "update", "output", "other")
 
@@ -151,8 +152,10 @@ def _timed_case(engine: Any, rows: int, device_ms: float, seconds: float, real: 
     # The window ends before the requests do (max_tokens=1900: 1.9 s at D = 1 ms once the
     # period reaches D): at most one step fewer than the tokens they have left.
     left = min(sp.max_tokens - n for n in n0.values())
+    last: dict[str, Any] = {}  # each request's latest output, its text checked after
     while time.perf_counter() - t0 < seconds and steps < left - 1:
-        engine.step()
+        for o in engine.step():
+            last[o.request_id] = o
         steps += 1
     wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
     if steps >= left - 1:
@@ -163,6 +166,7 @@ def _timed_case(engine: Any, rows: int, device_ms: float, seconds: float, real: 
         raise RuntimeError("a request finished inside the timed window (the window ends before "
                            "its tokens run out: see the engine's log)")
     gained = [r.num_output_tokens - n0[r.request_id] for r in live]
+    check_texts(last, tokenizer)
     # device: its busy time; wait: the engine's time blocked on it (the fake's sleep can
     # overrun D when the OS wakes it late: that is waiting, not host work).
     device = clock.device if real else runner.device_busy_s - busy0

@@ -61,6 +61,23 @@ def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any,
     return LLMEngine(config, tokenizer=tokenizer, runner=runner)
 
 
+def check_texts(outputs: dict[str, Any], tokenizer: Any) -> None:
+    """Each request's streamed text is the decode of its tokens (the measure counts only
+    tokens whose text reached the caller): equal, or short of it by the tail of one
+    character still incomplete (the decode's U+FFFD there).
+
+    Raises:
+      RuntimeError: naming the first request whose text is not its tokens' decode.
+    """
+    for rid, o in outputs.items():
+        c = o.outputs[0]
+        full = tokenizer.decode(c.token_ids)
+        if full != c.text and not (full.startswith(c.text)
+                                   and set(full[len(c.text):]) <= {"\ufffd"}):
+            raise RuntimeError(f"request {rid!r}: streamed text {c.text[-40:]!r} is not the "
+                               f"decode of its tokens ({full[-40:]!r})")
+
+
 def _row(r: HostResult) -> str:
     d = "real" if r.device_ms is None else f"{r.device_ms:g}"
     ph = " ".join(f"{k}={v:.2f}" for k, v in r.phases_ms_per_step.items())

@@ -18,8 +18,8 @@ import functools
 import time
 from typing import Any, Callable
 
-from jaxserve.bench.host_common import (HostResult, _engine, _row, add_requests, freeze_heap,
-                                        server_heap)
+from jaxserve.bench.host_common import (HostResult, _engine, _row, add_requests, check_texts,
+                                        freeze_heap, server_heap)
 
 
 def _core_engine(rows: int, device_ms: float, tokenizer: Any, stream_interval: int,
@@ -82,6 +82,7 @@ def _timed(eng: Any, rows: int, device_ms: float, seconds: float, tokenizer: Any
     if ended:
         raise RuntimeError(f"requests finished inside the timed window: {ended[:4]}")
     n1 = made()
+    check_texts(last, tokenizer)
     shown = sum(len(last[r].outputs[0].text) for r in ids)
     gained = [n1[r] - n0[r] for r in ids]
     period = wall / steps

@@ -343,16 +343,23 @@ class LLMEngine(EngineControl):
         `Scheduler.schedule(ahead=True)`) and dispatch it to the runner (`self._inflight`).
         Returns (plan, None) once dispatched; (None, None) for a plan with no rows (then it
         only tells the runner what ended); (plan, error) when its dispatch raised."""
-        out = self.scheduler.schedule(self.runner.token_cap, ahead=ahead)
-        self.outputs.on_scheduled(out, time.monotonic())
-        if not out.scheduled:  # still the runner's: it drops the finished and preempted
-            self.runner.execute(out)
-            return None, None
+        # Ahead, the prefix-cache registration of the step in flight waits until this plan
+        # is dispatched (`Scheduler.commit_deferred`): hashing blocks is off the path from
+        # plan to device (a block boundary of every row at once, issue 24's bench).
+        out = self.scheduler.schedule(self.runner.token_cap, ahead=ahead, defer_commits=ahead)
         try:
-            dispatch = getattr(self.runner, "dispatch", None)
-            handle = dispatch(out) if dispatch is not None else DoneStep(self.runner.execute(out))
-        except Exception as e:
-            return out, e
+            self.outputs.on_scheduled(out, time.monotonic())
+            if not out.scheduled:  # still the runner's: it drops the finished and preempted
+                self.runner.execute(out)
+                return None, None
+            try:
+                dispatch = getattr(self.runner, "dispatch", None)
+                handle = (dispatch(out) if dispatch is not None
+                          else DoneStep(self.runner.execute(out)))
+            except Exception as e:
+                return out, e
+        finally:
+            self.scheduler.commit_deferred()
         self._inflight = (out, handle)
         return out, None
 

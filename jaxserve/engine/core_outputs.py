@@ -28,7 +28,7 @@ that raised (`jaxserve.engine.core_proc`).
 
 Stop strings are the frontend's: it finds them in the text and sends a "stop" command,
 which finishes the request here through `Scheduler.stop_by_string`. A sample's tokens
-sampled after that (the core runs one step ahead) are dropped by the frontend, so outputs
+sampled after that (the core runs a step or two ahead) are dropped by the frontend, so outputs
 equal the one-process engine's.
 Timestamps are `time.monotonic()`, one clock for every process of the machine.
 """

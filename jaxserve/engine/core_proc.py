@@ -15,8 +15,9 @@ Protocol (pickled tuples over one socket; the frontend's side is `MPEngine`):
     credit (`CoreOutputs` events, with ("applied", n) markers: n commands applied when
     the events after it were recorded; "rejected" for an add that raised, "raised" for
     a step that raised) and ("reply", id, ok, value) per call.
-A step runs only against a credit: the frontend sends the next one before it processes
-the step it got, so the core computes step n+1 meanwhile and is at most one step ahead.
+A step runs only against a credit: the frontend keeps `MPEngine.steps_ahead` of them
+out (2 by default), sending the next one before it processes the step it got, so the
+core computes the steps after it meanwhile and is at most that many steps ahead.
 """
 
 from __future__ import annotations

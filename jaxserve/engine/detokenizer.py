@@ -23,6 +23,13 @@ Fast path (issue 24): a tokenizer that exposes its Rust `tokenizers.Tokenizer`
 request goes back to the window scheme for good: a prompt whose context ends mid-character
 (DecodeStream would re-emit the context) and more than `_MAX_PENDING` tokens with no text
 (a genuinely invalid byte run: the window scheme emits U+FFFD, DecodeStream waits).
+
+Faster still for a byte-level BPE vocabulary (GPT-2's decoder: SmolLM2, Llama 3, Qwen 2):
+its decode is the UTF-8 decoding of the concatenated bytes of each token, so a token whose
+own bytes are complete UTF-8, arriving when no character is pending, adds exactly its own
+decode, looked up in a table made once per tokenizer (`_clean_pieces`; llama.cpp's
+token-to-piece). Any other token goes through a DecodeStream remade from the window's
+context (`_resync`). ~0.05 us a token against ~1.2 for the stream's Rust call.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -41,6 +48,29 @@ _INITIAL_CONTEXT = 5
 # window that still ends in U+FFFD past this many pending tokens holds a genuinely
 # invalid byte sequence, which is emitted (as U+FFFD) so the window stays bounded.
 _MAX_PENDING = 4
+
+
+# id(backend) -> (backend, table): the clean pieces of each Rust tokenizer seen (one a
+# process in practice: the model's)
+_PIECES: dict[int, tuple[object, list[str | None] | None]] = {}
+
+
+def _clean_pieces(backend) -> list[str | None] | None:
+    """For a `tokenizers.Tokenizer` whose decoder is byte-level (`decoders.ByteLevel`): each
+    id's decode with special tokens skipped, or None where that is not a whole piece of text
+    (empty: a special token; U+FFFD: part of a character). None for any other decoder (its
+    decode is not a concatenation: SentencePiece's leading-space rules, say). Made once per
+    tokenizer (~65 ms for 49k ids) and kept."""
+    hit = _PIECES.get(id(backend))
+    if hit is not None and hit[0] is backend:
+        return hit[1]
+    table = None
+    if isinstance(backend.decoder, ByteLevel):
+        n = backend.get_vocab_size(with_added_tokens=True)
+        table = [p if p and _REPLACEMENT not in p else None
+                 for p in backend.decode_batch([[i] for i in range(n)], skip_special_tokens=True)]
+    _PIECES[id(backend)] = (backend, table)
+    return table
 
 
 class TokenizerLike(Protocol):
@@ -92,11 +122,15 @@ class IncrementalDetokenizer:
         self._clean_up = getattr(tokenizer, "clean_up_tokenization_spaces", False) is True
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream: DecodeStream | None = None
+        self._pieces: list[str | None] | None = None  # `_clean_pieces`, in stream mode
+        self._stale = False  # tokens were looked up since the stream's last step
         if self._backend is not None:
             self._vocab = self._backend.get_vocab_size(with_added_tokens=True)
             context = self._ids[self._prefix_offset:]
             if not self._decode(self._prefix_offset, self._read_offset).endswith(_REPLACEMENT):
                 self._stream = DecodeStream(ids=context, skip_special_tokens=self._skip)
+                if self._skip:
+                    self._pieces = _clean_pieces(self._backend)
 
     @property
     def output_text(self) -> str:
@@ -168,20 +202,22 @@ class IncrementalDetokenizer:
         t = int(t)
         if not 0 <= t < self._vocab:
             raise ValueError(f"token id {t} outside [0, vocab_size={self._vocab})")
-        self._ids.append(t)
-        try:  # `_stream_step`, inlined (one call a row a step)
-            chunk = self._stream.step(self._backend, t)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException:  # noqa: BLE001 - pyo3's PanicException is a BaseException
-            self._stream = chunk = None
-        if chunk is None:
-            if self._stream is not None and len(self._ids) - self._read_offset <= _MAX_PENDING:
-                return ""
-            self._stream = None
-            chunk = self._advance(force=False)
+        ids = self._ids
+        if self._pieces is not None and self._read_offset == len(ids) \
+                and (chunk := self._pieces[t]) is not None:  # a whole piece, nothing pending
+            ids.append(t)
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+            self._stale = True
         else:
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            ids.append(t)
+            chunk = self._stream_step(t)
+            if chunk is None:
+                if self._stream is not None and len(ids) - self._read_offset <= _MAX_PENDING:
+                    return ""
+                self._stream = None
+                chunk = self._advance(force=False)
+            else:
+                self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         self._text += chunk
         self._emitted = len(self._text)
         return chunk
@@ -190,7 +226,10 @@ class IncrementalDetokenizer:
         """DecodeStream's chunk for id t (None: no text yet). If the stream raises (tokenizers'
         "Invalid prefix" on a byte-fallback vocabulary whose decodes are not monotonic, vLLM
         #17448; or a Rust panic, a BaseException) it is dropped: `_stream` becomes None and
-        the caller goes on with the window scheme from the ids already appended."""
+        the caller goes on with the window scheme from the ids already appended. A token
+        in the piece table (`_pieces`) is returned from it when nothing is pending."""
+        if self._stale:  # the stream missed the tokens looked up: remade from the window
+            self._resync()
         try:
             return self._stream.step(self._backend, t)
         except (KeyboardInterrupt, SystemExit):
@@ -198,6 +237,14 @@ class IncrementalDetokenizer:
         except BaseException:  # noqa: BLE001 - pyo3's PanicException is a BaseException
             self._stream = None
             return None
+
+    def _resync(self) -> None:
+        """A DecodeStream whose context is the window's prefix `ids[prefix_offset:
+        read_offset]` (before the id just appended), as the stream would hold had it seen
+        every token."""
+        self._stream = DecodeStream(ids=self._ids[self._prefix_offset:self._read_offset],
+                                    skip_special_tokens=self._skip)
+        self._stale = False
 
     def _step_stream(self, new_token_ids: Sequence[int]) -> str:
         """Feed ids to the DecodeStream, keeping the window offsets as `_advance` would set

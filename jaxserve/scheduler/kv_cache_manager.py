@@ -20,7 +20,7 @@ scheduler asks first, so an allocation never half-fails.
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
@@ -28,10 +28,16 @@ from jaxserve.scheduler.request import Request
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Chained hash of one full block: 16-byte blake2b of (parent hash, token ids)."""
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+    """Chained hash of one full block: 16-byte blake2b of (parent hash, token ids as native
+    int64s)."""
+    n = len(token_ids)
+    pack = _PACKERS.get(n)
+    if pack is None:
+        pack = _PACKERS[n] = struct.Struct(f"{n}q").pack  # = array("q", ids).tobytes()
+    return hashlib.blake2b((parent or b"") + pack(*token_ids), digest_size=16).digest()
+
+
+_PACKERS: dict[int, object] = {}
 
 
 class KVCacheManager:
@@ -187,22 +193,25 @@ class KVCacheManager:
                 del self._free[b]
             self._ref[b] += 1
             blocks.append(b)
-        fresh = []
-        for _ in range(max(need, 0)):
-            b, _ = self._free.popitem(last=False)
-            h = self._hash[b]
-            if h is not None:  # evict the least recently freed cached block
-                del self._cached[h]
-                self._hash[b] = None
-                self.num_evictions += 1
-            self._ref[b] = 1
-            fresh.append(b)
+        fresh = [self._take_free() for _ in range(max(need, 0))]
         if fresh or new_computed_blocks:
             blocks.extend(fresh)
             self._req_tuple.pop(rid, None)
         if new_computed_blocks:
             self._req_committed[rid] = len(new_computed_blocks)
         return fresh
+
+    def _take_free(self) -> int:
+        """The least recently freed block, now held once (evicted from the prefix cache if
+        it was cached there)."""
+        b, _ = self._free.popitem(last=False)
+        h = self._hash[b]
+        if h is not None:
+            del self._cached[h]
+            self._hash[b] = None
+            self.num_evictions += 1
+        self._ref[b] = 1
+        return b
 
     def try_allocate(self, request: Request, num_new_tokens: int) -> bool:
         """`allocate(request, num_new_tokens)` if `can_allocate`, in one call.
@@ -217,11 +226,16 @@ class KVCacheManager:
             return True
         if need > len(self._free):
             return False
+        if need == 1 and blocks:  # a decode row's next block, without `allocate`'s checks
+            blocks.append(self._take_free())
+            self._req_tuple.pop(request.request_id, None)
+            return True
         self.allocate(request, num_new_tokens)
         return True
 
-    def commit(self, request: Request) -> None:
-        """Register the request's full, computed blocks in the prefix cache.
+    def commit(self, request: Request, num_tokens: int | None = None) -> None:
+        """Register the request's full, computed blocks in the prefix cache (only those
+        within its first `num_tokens` tokens, when given).
 
         Called after the step that wrote their KV, or (a plan made ahead,
         `Scheduler._commit_inputs`) once that step is dispatched: every step that can read
@@ -235,18 +249,25 @@ class KVCacheManager:
             return
         # Only blocks whose tokens are all known (a plan made ahead may have advanced
         # num_computed_tokens over a placeholder: that block waits for its token).
-        n_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        start = self._req_committed.get(rid, 0)
+        c, n = request.num_computed_tokens, len(request.all_token_ids)
+        if num_tokens is not None:
+            c = min(c, num_tokens)
+        n_full = (c if c < n else n) // self.block_size
+        committed = self._req_committed
+        start = committed.get(rid, 0)
         if n_full <= start:
             return
         blocks = self._req_blocks[rid]
-        hashes = self.block_hashes(request, n_full)
+        hashes = request.block_hashes
+        if len(hashes) < n_full:
+            hashes = self.block_hashes(request, n_full)
+        hash_of, cached = self._hash, self._cached
         for j in range(start, n_full):
             b, h = blocks[j], hashes[j]
-            if self._hash[b] is None and h not in self._cached:
-                self._hash[b] = h
-                self._cached[h] = b
-        self._req_committed[rid] = n_full
+            if hash_of[b] is None and h not in cached:
+                hash_of[b] = h
+                cached[h] = b
+        committed[rid] = n_full
 
     def free(self, request_id: str) -> int:
         """Drop the request's hold on its blocks; returns how many it held.

@@ -17,7 +17,9 @@ MAX_STEP_RETRIES = 1
 class PauseControl:
     """Mixin of `jaxserve.scheduler.scheduler.Scheduler` (its `requests`, `running`,
     `waiting`, `kv_cache_manager`, `block_size`, `_pending_out`, `_ahead_of`,
-    `finish_requests` and `_preempt`)."""
+    `num_preemptions` and `finish_requests`)."""
+
+    _deferred_commits: list | None = None  # `_commit_inputs(defer=True)`'s (req, tokens)
 
     def fail_step(self, out: SchedulerOutput, *, kv_lost: bool) -> list[str]:
         """After a plan's execution raised: its rows are preempted by recompute to be
@@ -48,21 +50,51 @@ class PauseControl:
             if req is not None and req.num_output_placeholders:
                 req.num_output_placeholders -= 1
 
-    def _commit_inputs(self, out: SchedulerOutput) -> None:
+    def _commit_inputs(self, out: SchedulerOutput, defer: bool = False) -> None:
         """Register in the prefix cache the blocks the plan in flight fills, before its
         tokens are back (planning ahead): their inputs are all known, and a step that
         reads them runs after it, so the next plan gets the hits a serial loop's would
-        (`update_from_output` registers the same blocks again, a no-op)."""
+        (`update_from_output` registers the same blocks again, a no-op).
+
+        `defer`: only note each row's request and its known tokens now; the hashing and
+        registering wait for `commit_deferred` (the engine calls it once the plan being
+        made is dispatched, off the dispatch's critical path), or until this plan first
+        frees blocks or looks up hits, whichever comes first: the cache ends the same."""
         kv = self.kv_cache_manager
         if not kv.enable_prefix_caching:
             return
         B, reqs = self.block_size, self.requests
+        todo = []
         for sr in out.scheduled:
             s = sr.start_pos
             if (s + len(sr.token_ids)) // B > s // B:
                 req = reqs.get(sr.request_id)
                 if req is not None and req.status is _RUNNING:
-                    kv.commit(req)
+                    todo.append((req, min(req.num_computed_tokens, len(req.all_token_ids))))
+        if defer:
+            self._deferred_commits = todo
+        else:
+            for req, n in todo:
+                kv.commit(req, n)
+
+    def _preempt(self, req: Any) -> None:
+        """Preempt by recompute; the caller has removed it from `running`."""
+        self.commit_deferred()  # before any block is freed
+        self.kv_cache_manager.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(req)
+
+    def commit_deferred(self) -> None:
+        """Register the blocks `_commit_inputs(defer=True)` noted (each request's blocks
+        up to the tokens it had then). No-op when nothing is deferred."""
+        todo, self._deferred_commits = self._deferred_commits, None
+        if todo:
+            commit = self.kv_cache_manager.commit
+            for req, n in todo:
+                commit(req, n)
 
     def unschedule(self, out: SchedulerOutput) -> None:
         """Take back the pending plan `out` as if it had not run (async scheduling drops a

@@ -139,7 +139,8 @@ class Scheduler(PauseControl):
         self.waiting.push(request)
 
     # ------------------------------------------------------------ scheduling
-    def schedule(self, token_cap: int | None = None, *, ahead: bool = False) -> SchedulerOutput:
+    def schedule(self, token_cap: int | None = None, *, ahead: bool = False,
+                 defer_commits: bool = False) -> SchedulerOutput:
         """Plan one step of at most `bucket_policy.token_budget(token_cap)` tokens;
         advances num_computed_tokens of every scheduled request.
 
@@ -148,6 +149,8 @@ class Scheduler(PauseControl):
         `output_pos` counts the token on its way), unless that token is its last by
         max_tokens; a row whose block would need a placeholder's token to hash is not
         marked pending for the prefix cache. The plans must be applied in order.
+        `defer_commits` (with `ahead`): the plan in flight's prefix-cache registration waits
+        for the caller's `commit_deferred` (`_commit_inputs`); the same cache either way.
 
         Raises:
           RuntimeError: the previous plan's live requests still await `update_from_output`
@@ -160,7 +163,7 @@ class Scheduler(PauseControl):
                     raise RuntimeError(f"schedule() called before update_from_output() for "
                                        f"step {prev.step}; its sampled tokens would be lost")
                 self._ahead_of = prev
-                self._commit_inputs(prev)
+                self._commit_inputs(prev, defer=defer_commits)
             self._pending_out = None
         self._step += 1
         # request_id -> (request, tokens this step), in row order
@@ -176,10 +179,12 @@ class Scheduler(PauseControl):
         self._force_preempt.clear()
         static = self.config.static_batching
         if static and not self.running and not preempted:
+            self.commit_deferred()  # before any hit is looked up
             self._admit_static_batch()
         budget, finishing = self._schedule_running(self.bucket_policy.token_budget(token_cap),
                                                    scheduled, preempted, pending)
-        if not preempted and not static:
+        if not preempted and not static and self.waiting:
+            self.commit_deferred()  # before any hit is looked up
             self._schedule_waiting(budget, scheduled, pending, finishing)
         return self._make_output(scheduled, preempted)
 
@@ -329,21 +334,12 @@ class Scheduler(PauseControl):
     def _priority_key(self, req: Request) -> tuple[int, float, int]:
         return (req.priority, req.arrival_time, self._order[req.request_id])
 
-    def _preempt(self, req: Request) -> None:
-        """Preempt by recompute; the caller has removed it from `running`."""
-        self.kv_cache_manager.free(req.request_id)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.push_front(req)
-
     def _make_output(self, scheduled: dict[str, tuple[Request, int]],
                      preempted: list[Request]) -> SchedulerOutput:
         rows = []
         total = 0
         block_ids = self.kv_cache_manager.get_block_ids
-        make = ScheduledRequest.make
+        make = ScheduledRequest
         new, unsent, grammar = [], self._unsent, []
         for rid, (req, n) in scheduled.items():
             if rid in unsent:

@@ -335,7 +335,7 @@ class FakeRunner:
         """results[rids[i]] = the SampledToken of ids[i]: logprob 0, every alternative the
         token itself (a row of one step-wide array), the top logprobs one shared
         read-only zero row."""
-        make = SampledToken.make
+        make = SampledToken
         if not tops:  # no request of the step asked for logprobs: nobody reads them
             for rid, t in zip(rids, ids.tolist()):
                 results[rid] = make(t, 0.0, NO_TOP_IDS, NO_TOP_LOGPROBS)

@@ -135,7 +135,10 @@ class RequestStates(dict):
         if n < k or (k and st.last_block != ids[k - 1]):  # not an extension
             table[st.slot, :k] = 0
             k = 0
-        table[st.slot, k:n] = ids[k:n]
+        if n == k + 1:  # a decode row's next block: an item write (~4x cheaper than a slice)
+            table[st.slot, k] = ids[k]
+        else:
+            table[st.slot, k:n] = ids[k:n]
         st.num_blocks = n
         st.last_block = ids[n - 1] if n else 0
 

@@ -44,7 +44,7 @@ class ModelPending:
         ids, lps, top_ids, top_lps, scored = r.tp.fetch(self.launched)  # waits for the programs
         self.launched = None
         r.stats().record_step(out.token_bucket, out.seq_bucket)
-        make, get = SampledToken.make, results.get
+        make, get = SampledToken, results.get
         if not self.tops:  # nobody reads them (`SampledToken`)
             tops = itertools.repeat(NO_TOP_IDS), itertools.repeat(NO_TOP_LOGPROBS)
         else:

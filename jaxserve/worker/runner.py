@@ -40,29 +40,21 @@ NO_TOP_LOGPROBS = np.zeros(0, np.float32)
 NO_TOP_IDS.flags.writeable = NO_TOP_LOGPROBS.flags.writeable = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SampledToken:
     """One sampled token for one row: id, its raw logprob, and top alternatives;
     `prompt` holds the row's prompt logprobs when it was a scoring row. The runners hand
     every row of a step one shared empty pair of top arrays when no request of theirs
-    asked for logprobs (`RequestStates.num_logprobs`): nothing reads them then."""
+    asked for logprobs (`RequestStates.num_logprobs`): nothing reads them then.
+
+    Treated as immutable. Slotted and not frozen: a runner makes one per row per step, and
+    a frozen dataclass's __init__ pays one object.__setattr__ a field (~2x the cost)."""
 
     token_id: int
     logprob: float
     top_ids: np.ndarray      # i32[max_logprobs] (or i32[0], see above)
     top_logprobs: np.ndarray  # f32[max_logprobs] (or f32[0])
     prompt: PromptLogprobs | None = None
-
-    @classmethod
-    def make(cls, token_id: int, logprob: float, top_ids: np.ndarray,
-             top_logprobs: np.ndarray) -> "SampledToken":
-        """The constructor's result (prompt None), ~3x cheaper: a runner makes one per row
-        per step, and a frozen dataclass's __init__ pays one object.__setattr__ a field."""
-        obj = object.__new__(cls)
-        d = obj.__dict__
-        d["token_id"], d["logprob"], d["top_ids"] = token_id, logprob, top_ids
-        d["top_logprobs"], d["prompt"] = top_logprobs, None
-        return obj
 
 
 @dataclass(frozen=True)

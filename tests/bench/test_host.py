@@ -64,3 +64,26 @@ def test_the_engine_process_case_respects_the_device_bound():
     assert r.period_ms >= D * 0.99
     assert r.device_ms_per_step == pytest.approx(D, rel=0.1)
     assert set(r.phases_ms_per_step) == {"frontend", "core"}
+
+
+def test_check_texts_wants_each_text_to_be_its_tokens_decode():
+    from conftest import tiny_tokenizer
+    from jaxserve.bench.host_common import check_texts
+    from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    class Pending:  # a tokenizer whose decode ends in an incomplete character
+        def decode(self, ids):
+            return tiny_tokenizer().decode(ids) + "\ufffd"
+
+    tok = tiny_tokenizer()
+    ids = tok.encode("ab cd", add_special_tokens=False)
+
+    def out(text):
+        return {"r": RequestOutput("r", None, [1], [CompletionOutput(0, text, ids)], False,
+                                   RequestMetrics(0.0))}
+    check_texts(out("ab cd"), tok)
+    check_texts(out("ab cd"), Pending())  # the held-back tail of one character
+    with pytest.raises(RuntimeError, match="'r'.*not the decode"):
+        check_texts(out("ab cx"), tok)
+    with pytest.raises(RuntimeError, match="not the decode"):
+        check_texts(out("ab c"), tok)

@@ -121,6 +121,27 @@ def test_random_interleavings_give_the_one_process_outputs(mp, ops):
                 assert _prefix_of(seen, c[1]), (rid, seen, c[1])
 
 
+@pytest.fixture(scope="module")
+def mp1():
+    with MPEngine(functools.partial(build, fail_rows=True), steps_ahead=1) as eng:
+        yield eng
+
+
+@settings(max_examples=int(os.environ.get("JAXSERVE_PROPERTY_EXAMPLES", "25")) // 2 + 1,
+          deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(_op, min_size=1, max_size=25))
+def test_one_step_ahead_too(mp1, ops):
+    """The same property with the core held to one step ahead of this side (the default
+    lets it run two)."""
+    test_random_interleavings_give_the_one_process_outputs.hypothesis.inner_test(mp1, ops)
+
+
+def test_steps_ahead_below_one_is_refused():
+    with pytest.raises(ValueError, match="steps_ahead=0"):
+        MPEngine(build, steps_ahead=0)
+
+
 def test_each_step_streams_what_the_one_process_engine_streams(mp):
     """Without aborts, each request's successive outputs (not only its final one) are the
     one-process engine's: the frontend collects where the core's engine collected. A

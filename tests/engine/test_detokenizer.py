@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from jaxserve.engine import detokenizer
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.sampling_params import SamplingParams
 
@@ -49,8 +50,12 @@ class StreamBpeTokenizer(BpeTokenizer):
         return self._tok
 
 
-@pytest.fixture(scope="module", params=["window", "stream"])
-def tok(request):
+@pytest.fixture(params=["window", "stream", "pieces"])
+def tok(request, monkeypatch):
+    """The same byte-level BPE through the window scheme, DecodeStream alone, and the piece
+    table in front of DecodeStream (the default for a byte-level vocabulary)."""
+    if request.param == "stream":
+        monkeypatch.setattr(detokenizer, "_clean_pieces", lambda backend: None)
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
@@ -276,6 +281,7 @@ def test_a_failing_decode_stream_hands_over_to_the_window_scheme(tok, fail_at, o
     d = IncrementalDetokenizer(tok, [], SamplingParams())
     if d._stream is None:
         pytest.skip("the window tokenizer has no DecodeStream")
+    d._pieces = None  # every token through the stream (a remade stream would not fail)
     d._stream = _FailingStream(d._stream, fail_at)
     if one:  # the engine's fast path, then the finish
         out = "".join(d.update_one(t) for t in ids) + d.update([], finished=True).delta_text
@@ -314,3 +320,63 @@ def test_a_tokenizer_that_cleans_up_spaces_loses_no_text(tok):
                 else d.update([i], finished=False).delta_text)
         out = "".join(feed(i) for i in ids) + d.update([], finished=True).delta_text
         assert out == d.output_text == text
+
+
+def _pieces_against_stream(tok, seed: int, vocab: int, pool: list[int]) -> None:
+    """Random ids (any id, ids of split characters, special ids, ids of real text) fed
+    one at a time to a detokenizer with the piece table and one without: the same delta
+    at every token and the same final text."""
+    rng = random.Random(seed)
+    ids = [rng.choice([rng.randrange(vocab), rng.choice(pool)]) for _ in range(rng.randint(1, 40))]
+    prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+    a = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    b = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    b._pieces = None
+    if a._stream is None:  # a prompt ending mid-character: the window scheme for both
+        return
+    assert a._pieces is not None
+    out = [[], []]
+    for t in ids:
+        for d, o in zip((a, b), out):
+            o.append(d.update_one(t) if d.plain else d.update([t], finished=False).delta_text)
+    for d, o in zip((a, b), out):
+        o.append(d.update([], finished=True).delta_text)
+    assert out[0] == out[1], (seed, ids, prompt)
+    assert a.output_text == b.output_text
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_piece_table_equals_the_stream(seed):
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(CORPUS, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = StreamBpeTokenizer(t)
+    vocab = t.get_vocab_size(with_added_tokens=True)
+    table = detokenizer._clean_pieces(t)
+    assert table[t.token_to_id(END)] is None  # special: skipped, so never a piece
+    assert any(p is None for p in table[:vocab - 1])  # split characters are not pieces
+    pool = [i for x in TEXTS for i in tok.encode(x)] + [i for i in range(vocab) if table[i] is None]
+    for k in range(10):
+        _pieces_against_stream(tok, seed * 10 + k, vocab, pool)
+
+
+@pytest.mark.skipif(not GGUF.is_file(), reason="SmolLM2 GGUF not downloaded")
+def test_piece_table_equals_the_stream_smollm2():
+    from jaxserve.checkpoint.gguf_loader import read_gguf_header
+
+    _, _, real = read_gguf_header(GGUF)
+    be = real.backend_tokenizer
+    vocab = be.get_vocab_size(with_added_tokens=True)
+    table = detokenizer._clean_pieces(be)
+    assert table[real.encode(" Hello")[0]] == " Hello"
+    pool = [i for x in TEXTS for i in real.encode(x)] + [i for i in range(vocab) if table[i] is None]
+    for seed in range(300):
+        _pieces_against_stream(real, seed, vocab, pool)
+
+
+def test_no_piece_table_for_a_sentencepiece_decoder():
+    t = Tokenizer(models.BPE())
+    t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Strip(" ", 1, 0)])
+    assert detokenizer._clean_pieces(t) is None

@@ -1,8 +1,8 @@
 """The host loop's cheap per-row objects (issue 24) are the objects their constructors make,
 and every cumulative field of a step's output is a snapshot of that step.
 
-`CompletionOutput.snapshot`, `SampledToken.make` and `ScheduledRequest.make` skip the
-dataclass constructors' per-field setters; the engine hands out `text`, `token_ids`,
+`CompletionOutput.snapshot` and `RequestOutput.make` skip the dataclass constructors'
+per-field setters; the engine hands out `text`, `token_ids`,
 `token_logprobs` and `logprobs` as O(1) prefixes of live, append-only state (the text
 is an immutable str), copied on first read. A caller that keeps every step's output and
 reads them all at the end must see each step's own values.
@@ -21,9 +21,7 @@ from jaxserve.engine import LLMEngine, make_engine_config
 from jaxserve.outputs import (CompletionOutput, ListPrefix, RequestMetrics, RequestOutput,
                               VersionRuns)
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-from jaxserve.scheduler.output import ScheduledRequest
 from jaxserve.worker.fake_runner import FakeRunner, default_token
-from jaxserve.worker.runner import SampledToken
 
 
 def test_fast_constructors_equal_the_dataclass_constructors():
@@ -40,11 +38,6 @@ def test_fast_constructors_equal_the_dataclass_constructors():
     lazy = CompletionOutput.snapshot(**{**fields, "text": ListPrefix("abc", 2),
                                         "token_ids": ListPrefix([3, 4, 5], 2)})
     assert lazy == ref and lazy.num_tokens == 2
-    a, b = np.arange(3, dtype=np.int32), np.zeros(3, np.float32)
-    assert SampledToken.make(7, -0.5, a, b) == SampledToken(7, -0.5, a, b)
-    assert SampledToken.make(7, -0.5, a, b).prompt is None
-    assert ScheduledRequest.make("r", (1, 2), 3, (4,), True, 2) == ScheduledRequest(
-        "r", (1, 2), 3, (4,), True, 2)
     comps, metrics = [ref], RequestMetrics(1.5)
     made = RequestOutput.make("q", "hi", [1, 2], comps, False, metrics)
     built = RequestOutput("q", "hi", [1, 2], comps, False, metrics)

@@ -131,3 +131,66 @@ def test_workloads_planned_ahead_finish_as_the_serial_loop_does(pool, prefix):
     assert done[True] == done[False]
     assert done[True]["c"] == ([default_token("c", i) for i in range(6)],
                                RequestStatus.FINISHED_STOPPED)
+
+
+def _kv_state(s):
+    kv = s.kv_cache_manager
+    return (dict(kv._cached), list(kv._hash), list(kv._free), dict(kv._req_committed),
+            kv.prefix_cache_hits, kv.prefix_cache_queries, kv.num_evictions)
+
+
+@pytest.mark.parametrize("pool", [11, 14, 64])
+def test_deferred_commits_leave_the_cache_as_committing_at_once(pool):
+    """`schedule(ahead=True, defer_commits=True)` then `commit_deferred()` (the engine's
+    order: the registration after the dispatch) gives the plans, hits, evictions and
+    prefix-cache contents of committing before planning, step by step: tight pools
+    preempt (a flush before the first free), requests arriving later hit blocks that
+    earlier requests' outputs filled (a flush before the first lookup), a long prompt's
+    chunks advance past what was known when the commit was deferred (its cap)."""
+    shared = [30 + i for i in range(9)]
+    late = shared + [1] + [default_token("a", i) for i in range(6)]
+
+    def reqs():
+        return [make_req("a", shared + [1], max_tokens=12), make_req("b", shared + [2], max_tokens=7),
+                make_req("d", 3, max_tokens=10)]
+
+    runs = {}
+    for defer in (True, False):
+        s = make_scheduler(budget=8, max_seqs=3, block_size=4, num_kv_blocks=pool)
+        s.add_request(make_req("c", 29, max_tokens=9))  # chunks alone: nothing waits
+        trace, inflight = [], None
+        for step in range(400):
+            if step == 3:
+                for r in reqs():
+                    s.add_request(r)
+            if step in (10, 13):  # the outputs of "a" so far as a prompt: hits on its blocks
+                s.add_request(make_req(f"late{step}", late, max_tokens=4))
+            if inflight is None and not s.has_unfinished_requests():
+                break
+            nxt = s.schedule(ahead=inflight is not None, defer_commits=defer)
+            s.commit_deferred()
+            check_invariants(s)
+            trace.append((rows(nxt), nxt.preempted_ids, _kv_state(s)))
+            if inflight is not None:
+                s.update_from_output(inflight, tokens(inflight, default_token))
+            inflight = nxt if nxt.scheduled else None
+        assert_pool_clean(s)
+        runs[defer] = trace
+    assert runs[True] == runs[False]
+    assert runs[True][-1][2][4] > 0  # prefix hits happened
+
+
+def test_a_deferred_commit_waits_for_commit_deferred():
+    s = make_scheduler(budget=32, block_size=4)
+    a = make_req("a", [10, 11, 12], max_tokens=8)
+    s.add_request(a)
+    o1 = s.schedule()  # fills positions 0..2
+    s.update_from_output(o1, {"a": 13})
+    o2 = s.schedule()  # position 3 (token 13): block 0 is full once this step ran
+    o3 = s.schedule(ahead=True, defer_commits=True)
+    kv = s.kv_cache_manager
+    assert not kv._cached  # deferred
+    s.commit_deferred()
+    assert len(kv._cached) == 1 and kv.is_cached(kv.get_block_ids("a")[0])
+    s.update_from_output(o2, {"a": 14})
+    s.update_from_output(o3, {"a": 15})
