@@ -73,6 +73,15 @@ def _clean_pieces(backend) -> list[str | None] | None:
     return table
 
 
+def prepare_pieces(tokenizer: object) -> None:
+    """Make `tokenizer`'s piece table now (`_clean_pieces`; ~65 ms for 49k ids) if it has
+    a Rust tokenizer, so the first request does not pay for it in its time to first token
+    (the engine's output processor calls it at start-up)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        _clean_pieces(backend)
+
+
 class TokenizerLike(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 

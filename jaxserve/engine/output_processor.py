@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import IncrementalDetokenizer, prepare_pieces
 from jaxserve.engine.input_processor import ProcessedRequest
 from jaxserve.engine.prompt_scores import PromptScores
 from jaxserve.sampling_params import RequestOutputKind
@@ -106,6 +106,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any, *, stream_interval: int = 1):
         self.tokenizer = tokenizer
+        prepare_pieces(tokenizer)  # now, not in the first request's time to first token
         self.stream_interval = stream_interval
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[str, int]] = {}

@@ -380,3 +380,17 @@ def test_no_piece_table_for_a_sentencepiece_decoder():
     t = Tokenizer(models.BPE())
     t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Strip(" ", 1, 0)])
     assert detokenizer._clean_pieces(t) is None
+
+
+def test_the_output_processor_makes_the_piece_table_at_start():
+    """Built with the engine, so no request pays for it in its time to first token."""
+    from jaxserve.engine.output_processor import OutputProcessor
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(CORPUS[:2], trainer=trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert id(t) not in detokenizer._PIECES
+    OutputProcessor(StreamBpeTokenizer(t))
+    assert detokenizer._PIECES[id(t)][0] is t and detokenizer._PIECES[id(t)][1] is not None
