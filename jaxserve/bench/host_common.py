@@ -63,19 +63,19 @@ def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any,
 
 def check_texts(outputs: dict[str, Any], tokenizer: Any) -> None:
     """Each request's streamed text is the decode of its tokens (the measure counts only
-    tokens whose text reached the caller): equal, or short of it by the tail of one
-    character still incomplete (the decode's U+FFFD there).
+    tokens whose text reached the caller): all of them, or all but the last few (at most
+    4: a character still incomplete, held back with the rest of its tokens' text).
 
     Raises:
       RuntimeError: naming the first request whose text is not its tokens' decode.
     """
     for rid, o in outputs.items():
         c = o.outputs[0]
-        full = tokenizer.decode(c.token_ids)
-        if full != c.text and not (full.startswith(c.text)
-                                   and set(full[len(c.text):]) <= {"\ufffd"}):
-            raise RuntimeError(f"request {rid!r}: streamed text {c.text[-40:]!r} is not the "
-                               f"decode of its tokens ({full[-40:]!r})")
+        ids, text = list(c.token_ids), c.text
+        if not any(tokenizer.decode(ids[:len(ids) - j]) == text
+                   for j in range(min(len(ids), 4) + 1)):
+            raise RuntimeError(f"request {rid!r}: streamed text {text[-40:]!r} is not the "
+                               f"decode of its tokens ({tokenizer.decode(ids)[-40:]!r})")
 
 
 def _row(r: HostResult) -> str:
