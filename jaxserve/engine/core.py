@@ -343,11 +343,11 @@ class LLMEngine(EngineControl):
         `Scheduler.schedule(ahead=True)`) and dispatch it to the runner (`self._inflight`).
         Returns (plan, None) once dispatched; (None, None) for a plan with no rows (then it
         only tells the runner what ended); (plan, error) when its dispatch raised."""
-        # Ahead, the prefix-cache registration of the step in flight waits until this plan
-        # is dispatched (`Scheduler.commit_deferred`): hashing blocks is off the path from
-        # plan to device (a block boundary of every row at once, issue 24's bench).
-        out = self.scheduler.schedule(self.runner.token_cap, ahead=ahead, defer_commits=ahead)
+        # Ahead, the step in flight's prefix-cache registration waits until this plan is
+        # dispatched (`Scheduler.commit_deferred`), off the path from plan to device.
         try:
+            out = self.scheduler.schedule(self.runner.token_cap, ahead=ahead,
+                                          defer_commits=ahead)
             self.outputs.on_scheduled(out, time.monotonic())
             if not out.scheduled:  # still the runner's: it drops the finished and preempted
                 self.runner.execute(out)
@@ -358,10 +358,13 @@ class LLMEngine(EngineControl):
                           else DoneStep(self.runner.execute(out)))
             except Exception as e:
                 return out, e
-        finally:
-            self.scheduler.commit_deferred()
-        self._inflight = (out, handle)
-        return out, None
+            self._inflight = (out, handle)
+            return out, None
+        finally:  # however planning or dispatch ended; a dispatched step is never lost
+            try:
+                self.scheduler.commit_deferred()
+            except Exception:  # a lost registration costs hits, never a step's tokens
+                logger.exception("registering the step in flight's blocks failed")
 
     def _drop_ahead(self, failed: tuple[Any, Exception] | None) -> None:
         """The step before the one planned ahead failed: the one in flight read its tokens,

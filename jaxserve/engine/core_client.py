@@ -70,8 +70,8 @@ class MPEngine:
       startup_timeout: seconds to wait for the core to be built (None: no limit).
       steps_ahead: steps the core may run whose outputs this side has not received (its
         credits). 2 (the default): the core starts step n+2 as soon as it sent step n+1,
-        never waiting for this side to take a message, so a late wake-up here costs the
-        device nothing (issue 24's bench at 256 rows, D = 2 ms: ~480 against ~477
+        not waiting for this side to take a message while this side is at most a step
+        behind, so a late wake-up here costs the device nothing (issue 24's bench at 256 rows, D = 2 ms: ~480 against ~477
         tokens per request per second, the core's wait for a credit 0.2 -> 0.03 ms a
         step); the price is that a stop string found here, an abort or an add reaches the
         core up to a step later than with 1.

@@ -50,9 +50,10 @@ _INITIAL_CONTEXT = 5
 _MAX_PENDING = 4
 
 
-# id(backend) -> (backend, table): the clean pieces of each Rust tokenizer seen (one a
-# process in practice: the model's)
-_PIECES: dict[int, tuple[object, list[str | None] | None]] = {}
+# id(backend) -> (backend, its vocabulary size then, table): the clean pieces of the last
+# few Rust tokenizers seen (one a process in practice: the model's)
+_PIECES: dict[int, tuple[object, int, list[str | None] | None]] = {}
+_MAX_TABLES = 4
 
 
 def _clean_pieces(backend) -> list[str | None] | None:
@@ -60,16 +61,21 @@ def _clean_pieces(backend) -> list[str | None] | None:
     id's decode with special tokens skipped, or None where that is not a whole piece of text
     (empty: a special token; U+FFFD: part of a character). None for any other decoder (its
     decode is not a concatenation: SentencePiece's leading-space rules, say). Made once per
-    tokenizer (~65 ms for 49k ids) and kept."""
+    tokenizer (~65 ms for 49k ids) and kept, made again if its vocabulary grew
+    (`add_tokens`). A token made special after that keeps its old piece: the table assumes
+    a tokenizer is not changed once requests run on it."""
+    n = backend.get_vocab_size(with_added_tokens=True)
     hit = _PIECES.get(id(backend))
-    if hit is not None and hit[0] is backend:
-        return hit[1]
+    if hit is not None and hit[0] is backend and hit[1] == n:
+        return hit[2]
     table = None
     if isinstance(backend.decoder, ByteLevel):
-        n = backend.get_vocab_size(with_added_tokens=True)
         table = [p if p and _REPLACEMENT not in p else None
                  for p in backend.decode_batch([[i] for i in range(n)], skip_special_tokens=True)]
-    _PIECES[id(backend)] = (backend, table)
+    _PIECES.pop(id(backend), None)
+    while len(_PIECES) >= _MAX_TABLES:  # the oldest goes (tests build many tokenizers)
+        del _PIECES[next(iter(_PIECES))]
+    _PIECES[id(backend)] = (backend, n, table)
     return table
 
 
@@ -235,8 +241,8 @@ class IncrementalDetokenizer:
         """DecodeStream's chunk for id t (None: no text yet). If the stream raises (tokenizers'
         "Invalid prefix" on a byte-fallback vocabulary whose decodes are not monotonic, vLLM
         #17448; or a Rust panic, a BaseException) it is dropped: `_stream` becomes None and
-        the caller goes on with the window scheme from the ids already appended. A token
-        in the piece table (`_pieces`) is returned from it when nothing is pending."""
+        the caller goes on with the window scheme from the ids already appended. A stream
+        that missed tokens looked up in the piece table is remade first (`_resync`)."""
         if self._stale:  # the stream missed the tokens looked up: remade from the window
             self._resync()
         try:

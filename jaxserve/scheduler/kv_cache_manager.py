@@ -74,6 +74,7 @@ class KVCacheManager:
         self._req_tuple: dict[str, tuple[int, ...]] = {}  # cached tuple(self._req_blocks[rid])
         self._req_committed: dict[str, int] = {}  # leading blocks already committed
         self._no_commit: set[str] = set()  # live requests whose KV predates a weight swap
+        self._later: list[tuple[Request, int]] = []  # `commit_later`'s, not yet made
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_evictions = 0
@@ -95,6 +96,8 @@ class KVCacheManager:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks whose content is registered in the prefix cache (held or free)."""
+        if self._later:
+            self.flush_commits()
         return len(self._cached)
 
     @property
@@ -137,6 +140,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
+        if self._later:
+            self.flush_commits()
         max_blocks = (request.num_tokens - 1) // self.block_size
         if request.logprob_start is not None:
             # Prompt token j's logprob needs the hidden row of position j - 1 computed
@@ -204,6 +209,8 @@ class KVCacheManager:
     def _take_free(self) -> int:
         """The least recently freed block, now held once (evicted from the prefix cache if
         it was cached there)."""
+        if self._later and self._hash[next(iter(self._free))] is not None:
+            self.flush_commits()  # before the eviction: the order committing at once has
         b, _ = self._free.popitem(last=False)
         h = self._hash[b]
         if h is not None:
@@ -240,12 +247,34 @@ class KVCacheManager:
         Called after the step that wrote their KV, or (a plan made ahead,
         `Scheduler._commit_inputs`) once that step is dispatched: every step that can read
         them runs after it. A block whose content is already cached elsewhere stays
-        private (one cached copy per hash).
+        private (one cached copy per hash). A request that holds no blocks (freed since)
+        is skipped. Any `commit_later` still pending is made first.
         """
         if not self.enable_prefix_caching:
             return
+        if self._later:
+            self.flush_commits()
+        self._commit(request, num_tokens)
+
+    def commit_later(self, items: Iterable[tuple[Request, int]]) -> None:
+        """`commit(request, num_tokens)` for each item, made by `flush_commits` (the engine
+        calls it once the plan being made is dispatched: hashing is off the path from plan
+        to device) or before anything that could tell the difference: a lookup, a free, an
+        eviction of a cached block, a reset, another commit, a check. So the cache is
+        always the one committing at once would give whenever it is read."""
+        if self.enable_prefix_caching:
+            self._later.extend(items)
+
+    def flush_commits(self) -> None:
+        """Make the commits `commit_later` queued, in order."""
+        later, self._later = self._later, []
+        for request, n in later:
+            self._commit(request, n)
+
+    def _commit(self, request: Request, num_tokens: int | None) -> None:
         rid = request.request_id
-        if rid in self._no_commit:  # its KV is partly from the weights before a swap
+        blocks = self._req_blocks.get(rid)
+        if not blocks or rid in self._no_commit:  # freed; KV partly from weights before a swap
             return
         # Only blocks whose tokens are all known (a plan made ahead may have advanced
         # num_computed_tokens over a placeholder: that block waits for its token).
@@ -257,7 +286,6 @@ class KVCacheManager:
         start = committed.get(rid, 0)
         if n_full <= start:
             return
-        blocks = self._req_blocks[rid]
         hashes = request.block_hashes
         if len(hashes) < n_full:
             hashes = self.block_hashes(request, n_full)
@@ -276,6 +304,8 @@ class KVCacheManager:
         front (nothing worth keeping), cached ones at the back in reverse
         order, so a prefix's tail is evicted before its head.
         """
+        if self._later:
+            self.flush_commits()
         blocks = self._req_blocks.pop(request_id, None)
         self._req_tuple.pop(request_id, None)
         self._req_committed.pop(request_id, None)
@@ -298,6 +328,8 @@ class KVCacheManager:
         well, and never commit those requests' later blocks (they mix both weights'
         KV); a later hit would hand old-weight KV to a new request.
         """
+        if self._later:
+            self.flush_commits()
         n = 0
         if stale_held:
             for rid, blocks in self._req_blocks.items():
@@ -325,6 +357,8 @@ class KVCacheManager:
         return self._ref[block_id]
 
     def is_cached(self, block_id: int) -> bool:
+        if self._later:
+            self.flush_commits()
         return self._hash[block_id] is not None
 
     def check_invariants(self, live_request_ids: Iterable[str] | None = None) -> None:
@@ -334,6 +368,8 @@ class KVCacheManager:
         block's ref count equals its number of holders; free blocks have
         ref 0; the hash index and per-block hashes agree.
         """
+        if self._later:
+            self.flush_commits()
         held: dict[int, int] = {}
         for rid, blocks in self._req_blocks.items():
             assert len(set(blocks)) == len(blocks), f"{rid} holds a block twice: {blocks}"

@@ -19,8 +19,6 @@ class PauseControl:
     `waiting`, `kv_cache_manager`, `block_size`, `_pending_out`, `_ahead_of`,
     `num_preemptions` and `finish_requests`)."""
 
-    _deferred_commits: list | None = None  # `_commit_inputs(defer=True)`'s (req, tokens)
-
     def fail_step(self, out: SchedulerOutput, *, kv_lost: bool) -> list[str]:
         """After a plan's execution raised: its rows are preempted by recompute to be
         retried, except a row whose lifetime budget of MAX_STEP_RETRIES is spent, which
@@ -56,10 +54,10 @@ class PauseControl:
         reads them runs after it, so the next plan gets the hits a serial loop's would
         (`update_from_output` registers the same blocks again, a no-op).
 
-        `defer`: only note each row's request and its known tokens now; the hashing and
-        registering wait for `commit_deferred` (the engine calls it once the plan being
-        made is dispatched, off the dispatch's critical path), or until this plan first
-        frees blocks or looks up hits, whichever comes first: the cache ends the same."""
+        `defer`: each row's request and its tokens known now are queued
+        (`KVCacheManager.commit_later`) and registered by `commit_deferred`, which the
+        engine calls once the plan being made is dispatched, or earlier by the manager
+        itself before anything that could tell the difference: the same cache."""
         kv = self.kv_cache_manager
         if not kv.enable_prefix_caching:
             return
@@ -71,30 +69,22 @@ class PauseControl:
                 req = reqs.get(sr.request_id)
                 if req is not None and req.status is _RUNNING:
                     todo.append((req, min(req.num_computed_tokens, len(req.all_token_ids))))
-        if defer:
-            self._deferred_commits = todo
-        else:
-            for req, n in todo:
-                kv.commit(req, n)
+        kv.commit_later(todo)
+        if not defer:
+            kv.flush_commits()
+
+    def commit_deferred(self) -> None:
+        """Register the blocks `_commit_inputs(defer=True)` queued (no-op when none)."""
+        self.kv_cache_manager.flush_commits()
 
     def _preempt(self, req: Any) -> None:
         """Preempt by recompute; the caller has removed it from `running`."""
-        self.commit_deferred()  # before any block is freed
         self.kv_cache_manager.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push_front(req)
-
-    def commit_deferred(self) -> None:
-        """Register the blocks `_commit_inputs(defer=True)` noted (each request's blocks
-        up to the tokens it had then). No-op when nothing is deferred."""
-        todo, self._deferred_commits = self._deferred_commits, None
-        if todo:
-            commit = self.kv_cache_manager.commit
-            for req, n in todo:
-                commit(req, n)
 
     def unschedule(self, out: SchedulerOutput) -> None:
         """Take back the pending plan `out` as if it had not run (async scheduling drops a

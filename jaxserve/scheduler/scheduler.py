@@ -179,12 +179,10 @@ class Scheduler(PauseControl):
         self._force_preempt.clear()
         static = self.config.static_batching
         if static and not self.running and not preempted:
-            self.commit_deferred()  # before any hit is looked up
             self._admit_static_batch()
         budget, finishing = self._schedule_running(self.bucket_policy.token_budget(token_cap),
                                                    scheduled, preempted, pending)
-        if not preempted and not static and self.waiting:
-            self.commit_deferred()  # before any hit is looked up
+        if not preempted and not static:
             self._schedule_waiting(budget, scheduled, pending, finishing)
         return self._make_output(scheduled, preempted)
 

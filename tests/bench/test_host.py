@@ -84,3 +84,6 @@ def test_check_texts_wants_each_text_to_be_its_tokens_decode():
         check_texts(out("ab cx"), tok)
     with pytest.raises(RuntimeError, match="not the decode"):
         check_texts(out(""), tok)  # five
+    check_texts(out("ab\ufffd"), tok)  # past an invalid byte run: the text before it
+    with pytest.raises(RuntimeError, match="not the decode"):
+        check_texts(out("ax\ufffd"), tok)

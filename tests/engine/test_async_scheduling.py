@@ -513,3 +513,43 @@ def test_an_aborted_id_reused_while_its_row_is_in_flight_gets_nothing_of_it():
         assert kv.num_free_blocks == kv.num_blocks
     assert res[True] == res[False]
     assert res[True]["r"][0][1] == [30, 31, 32, 33, 34, 35]  # counts up from "z" (hand-checked)
+
+
+@pytest.mark.parametrize("mode", ["abort", "finish"])
+def test_planning_ahead_that_raises_after_queueing_commits(mode):
+    """With prefix caching, planning ahead raises inside `schedule` once the step in
+    flight's commits are queued (`commit_later`): they are made on the way out (not left
+    to reach requests freed later), `step()` raises, and the engine goes on: the requests
+    are aborted (or run to the end), no block is held, a new request runs alone."""
+    eng = fake_engine(True, prefix=True)
+    sp = SamplingParams(max_tokens=12 if mode == "finish" else 6, temperature=0.0)
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add_request(f"r{i}", p, sp)
+    kv, real, raised = eng.scheduler.kv_cache_manager, eng.scheduler._schedule_running, []
+
+    def flaky(*a, **kw):
+        if not raised and kv._later:
+            raised.append(1)
+            raise RuntimeError("scheduler bug")
+        return real(*a, **kw)
+
+    eng.scheduler._schedule_running = flaky
+    with pytest.raises(RuntimeError, match="scheduler bug"):
+        for _ in range(50):
+            eng.step()
+    assert raised and not kv._later  # made on the way out
+    if mode == "abort":
+        for i in range(3):
+            eng.abort(f"r{i}")
+    for _ in range(60):
+        eng.step()
+        if not eng.has_unfinished_requests() and eng._inflight is None:
+            break
+    assert not eng.has_unfinished_requests() and not kv.owners()
+    kv.check_invariants([])
+    eng.add_request("again", PROMPTS[3], SamplingParams(max_tokens=4, temperature=0.0))
+    got = [o for _ in range(20) for o in eng.step() if o.finished]
+    ref = fake_engine(False)
+    ref.add_request("again", PROMPTS[3], SamplingParams(max_tokens=4, temperature=0.0))
+    want = [o for _ in range(20) for o in ref.step() if o.finished]
+    assert [final(o) for o in got] == [final(o) for o in want]

@@ -393,4 +393,18 @@ def test_the_output_processor_makes_the_piece_table_at_start():
         vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     assert id(t) not in detokenizer._PIECES
     OutputProcessor(StreamBpeTokenizer(t))
-    assert detokenizer._PIECES[id(t)][0] is t and detokenizer._PIECES[id(t)][1] is not None
+    assert detokenizer._PIECES[id(t)][0] is t and detokenizer._PIECES[id(t)][2] is not None
+
+
+def test_the_piece_table_follows_a_grown_vocabulary():
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(CORPUS[:2], trainer=trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = StreamBpeTokenizer(t)
+    n = len(detokenizer._clean_pieces(t))
+    t.add_tokens(["<newtok>"])
+    d = IncrementalDetokenizer(tok, [], SamplingParams())
+    assert len(d._pieces) == n + 1
+    assert d.update_one(t.token_to_id("<newtok>")) == t.decode([t.token_to_id("<newtok>")])
