@@ -64,22 +64,37 @@ def _engine(rows: int, device_ms: float, real: bool, tokenizer: Any,
 def check_texts(outputs: dict[str, Any], tokenizer: Any) -> None:
     """Each request's streamed text is the decode of its tokens (the measure counts only
     tokens whose text reached the caller): all of them, or all but the last few (at most
-    4: a character still incomplete, held back with the rest of its tokens' text); past an
-    invalid byte run the detokenizer emitted as U+FFFD, only the text before it.
+    4: a character still incomplete, held back with the rest of its tokens' text). Where
+    neither holds (an invalid byte run, emitted as U+FFFD once 4 tokens gave no text,
+    which a whole decode may split otherwise), the text of a serial run of the plain
+    window scheme (`IncrementalDetokenizer` without its fast paths) over the same tokens.
 
     Raises:
-      RuntimeError: naming the first request whose text is not its tokens' decode.
+      RuntimeError: naming the first request whose text is neither.
     """
     for rid, o in outputs.items():
         c = o.outputs[0]
         ids, text = list(c.token_ids), c.text
         if any(tokenizer.decode(ids[:len(ids) - j]) == text for j in range(min(len(ids), 4) + 1)):
             continue
-        bad = text.find("\ufffd")  # an invalid byte run, emitted as U+FFFD after 4 tokens
-        if bad >= 0 and tokenizer.decode(ids).startswith(text[:bad]):  # with no text: the
-            continue  # whole decode may split it otherwise (a later byte completing one)
-        raise RuntimeError(f"request {rid!r}: streamed text {text[-40:]!r} is not the "
-                           f"decode of its tokens ({tokenizer.decode(ids)[-40:]!r})")
+        if _window_text(tokenizer, o.prompt_token_ids, ids) != text:
+            raise RuntimeError(f"request {rid!r}: streamed text {text[-40:]!r} is not the "
+                               f"decode of its tokens ({tokenizer.decode(ids)[-40:]!r})")
+
+
+def _window_text(tokenizer: Any, prompt_ids: list[int], ids: list[int]) -> str:
+    """The text a window-scheme detokenizer streams for `ids` one at a time."""
+    from jaxserve.engine.detokenizer import IncrementalDetokenizer
+    from jaxserve.sampling_params import SamplingParams
+
+    class _Plain:  # no `backend_tokenizer`: neither DecodeStream nor the piece table
+        def decode(self, ids, skip_special_tokens=True):
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    d = IncrementalDetokenizer(_Plain(), prompt_ids, SamplingParams())
+    for t in ids:
+        d.update([t], finished=False)
+    return d.output_text
 
 
 def _row(r: HostResult) -> str:

@@ -343,20 +343,21 @@ class LLMEngine(EngineControl):
         `Scheduler.schedule(ahead=True)`) and dispatch it to the runner (`self._inflight`).
         Returns (plan, None) once dispatched; (None, None) for a plan with no rows (then it
         only tells the runner what ended); (plan, error) when its dispatch raised."""
-        # Ahead, the step in flight's prefix-cache registration waits until this plan is
-        # dispatched (`Scheduler.commit_deferred`), off the path from plan to device.
+        # Ahead, the step in flight's blocks are registered once this plan is dispatched.
         try:
             out = self.scheduler.schedule(self.runner.token_cap, ahead=ahead,
                                           defer_commits=ahead)
-            self.outputs.on_scheduled(out, time.monotonic())
-            if not out.scheduled:  # still the runner's: it drops the finished and preempted
-                self.runner.execute(out)
-                return None, None
-            try:
+            try:  # a plan that fails here fails as a step (ahead: taken back, `_step`)
+                self.outputs.on_scheduled(out, time.monotonic())
+                if not out.scheduled:  # the runner's still: it drops the finished, preempted
+                    self.runner.execute(out)
+                    return None, None
                 dispatch = getattr(self.runner, "dispatch", None)
                 handle = (dispatch(out) if dispatch is not None
                           else DoneStep(self.runner.execute(out)))
             except Exception as e:
+                if not out.scheduled:
+                    raise
                 return out, e
             self._inflight = (out, handle)
             return out, None

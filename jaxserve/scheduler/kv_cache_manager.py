@@ -75,6 +75,7 @@ class KVCacheManager:
         self._req_committed: dict[str, int] = {}  # leading blocks already committed
         self._no_commit: set[str] = set()  # live requests whose KV predates a weight swap
         self._later: list[tuple[Request, int]] = []  # `commit_later`'s, not yet made
+        self._evicted: set[bytes] = set()  # hashes evicted while commits were queued
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_evictions = 0
@@ -209,14 +210,14 @@ class KVCacheManager:
     def _take_free(self) -> int:
         """The least recently freed block, now held once (evicted from the prefix cache if
         it was cached there)."""
-        if self._later and self._hash[next(iter(self._free))] is not None:
-            self.flush_commits()  # before the eviction: the order committing at once has
         b, _ = self._free.popitem(last=False)
         h = self._hash[b]
         if h is not None:
             del self._cached[h]
             self._hash[b] = None
             self.num_evictions += 1
+            if self._later:  # a queued commit sees h as cached, as it was when queued
+                self._evicted.add(h)
         self._ref[b] = 1
         return b
 
@@ -259,19 +260,26 @@ class KVCacheManager:
     def commit_later(self, items: Iterable[tuple[Request, int]]) -> None:
         """`commit(request, num_tokens)` for each item, made by `flush_commits` (the engine
         calls it once the plan being made is dispatched: hashing is off the path from plan
-        to device) or before anything that could tell the difference: a lookup, a free, an
-        eviction of a cached block, a reset, another commit, a check. So the cache is
-        always the one committing at once would give whenever it is read."""
+        to device) or before anything that could tell the difference: a lookup, a free, a
+        reset, another commit, a check (an eviction meanwhile is remembered instead,
+        `flush_commits`). So the cache is always the one committing at once would give
+        whenever it is read."""
         if self.enable_prefix_caching:
             self._later.extend(items)
 
     def flush_commits(self) -> None:
-        """Make the commits `commit_later` queued, in order."""
+        """Make the commits `commit_later` queued, in order. A hash evicted since they were
+        queued counts as still cached (committing at once would have found it so and left
+        the block private; the eviction then dropped it either way)."""
+        if not self._later:
+            return
         later, self._later = self._later, []
+        evicted, self._evicted = self._evicted, set()
         for request, n in later:
-            self._commit(request, n)
+            self._commit(request, n, evicted)
 
-    def _commit(self, request: Request, num_tokens: int | None) -> None:
+    def _commit(self, request: Request, num_tokens: int | None,
+                evicted: set[bytes] = frozenset()) -> None:
         rid = request.request_id
         blocks = self._req_blocks.get(rid)
         if not blocks or rid in self._no_commit:  # freed; KV partly from weights before a swap
@@ -292,7 +300,7 @@ class KVCacheManager:
         hash_of, cached = self._hash, self._cached
         for j in range(start, n_full):
             b, h = blocks[j], hashes[j]
-            if hash_of[b] is None and h not in cached:
+            if hash_of[b] is None and h not in cached and h not in evicted:
                 hash_of[b] = h
                 cached[h] = b
         committed[rid] = n_full

@@ -553,3 +553,29 @@ def test_planning_ahead_that_raises_after_queueing_commits(mode):
     ref.add_request("again", PROMPTS[3], SamplingParams(max_tokens=4, temperature=0.0))
     want = [o for _ in range(20) for o in ref.step() if o.finished]
     assert [final(o) for o in got] == [final(o) for o in want]
+
+
+def test_a_plan_made_ahead_that_fails_before_its_dispatch_is_taken_back():
+    """`on_scheduled` raising for a plan made ahead (a review found it left the plan
+    pending, undispatched, and every later step raised): it fails as that step's dispatch
+    would, is planned again, and every request ends with the serial loop's tokens."""
+    eng = fake_engine(True, prefix=True)
+    sp = SamplingParams(max_tokens=8, temperature=0.0)
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add_request(f"r{i}", p, sp)
+    real, raised = eng.outputs.on_scheduled, []
+
+    def flaky(out, now):
+        if not raised and eng._inflight is None and eng.scheduler._ahead_of is not None \
+                and out.scheduled:
+            raised.append(out.step)
+            raise RuntimeError("on_scheduled bug")
+        return real(out, now)
+
+    eng.outputs.on_scheduled = flaky
+    done = {o.request_id: final(o) for _ in range(40) for o in eng.step() if o.finished}
+    ref = fake_engine(False, prefix=True)
+    for i, p in enumerate(PROMPTS[:3]):
+        ref.add_request(f"r{i}", p, sp)
+    want = {o.request_id: final(o) for _ in range(40) for o in ref.step() if o.finished}
+    assert raised and done == want and not eng.scheduler.kv_cache_manager.owners()
