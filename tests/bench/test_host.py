@@ -61,7 +61,9 @@ def test_the_engine_process_case_respects_the_device_bound():
     assert r.rows == 4 and r.steps >= 2 and len(lines) == 1 and "text=" in lines[0]
     assert int(lines[0].rsplit("text=", 1)[1].split()[0]) > 0
     assert 0 < r.tokens_per_request_per_s <= (r.seconds * 1000 / D + 3) / r.seconds
-    assert r.period_ms >= D * 0.99
+    # The core runs up to `MPEngine.steps_ahead` (2) steps ahead: the window may begin
+    # with two steps it made before, so D a step holds for all but two of them.
+    assert r.seconds * 1000 >= D * 0.99 * (r.steps - 2)
     assert r.device_ms_per_step == pytest.approx(D, rel=0.1)
     assert set(r.phases_ms_per_step) == {"frontend", "core"}
 
