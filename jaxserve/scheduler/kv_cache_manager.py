@@ -97,8 +97,7 @@ class KVCacheManager:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks whose content is registered in the prefix cache (held or free)."""
-        if self._later:
-            self.flush_commits()
+        self.flush_commits()
         return len(self._cached)
 
     @property
@@ -141,8 +140,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        if self._later:
-            self.flush_commits()
+        self.flush_commits()
         max_blocks = (request.num_tokens - 1) // self.block_size
         if request.logprob_start is not None:
             # Prompt token j's logprob needs the hidden row of position j - 1 computed
@@ -253,7 +251,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        if self._later:
+        if self._later:  # (the check inline: called for each row whose block filled)
             self.flush_commits()
         self._commit(request, num_tokens)
 
@@ -312,8 +310,7 @@ class KVCacheManager:
         front (nothing worth keeping), cached ones at the back in reverse
         order, so a prefix's tail is evicted before its head.
         """
-        if self._later:
-            self.flush_commits()
+        self.flush_commits()
         blocks = self._req_blocks.pop(request_id, None)
         self._req_tuple.pop(request_id, None)
         self._req_committed.pop(request_id, None)
@@ -336,8 +333,7 @@ class KVCacheManager:
         well, and never commit those requests' later blocks (they mix both weights'
         KV); a later hit would hand old-weight KV to a new request.
         """
-        if self._later:
-            self.flush_commits()
+        self.flush_commits()
         n = 0
         if stale_held:
             for rid, blocks in self._req_blocks.items():
@@ -365,8 +361,7 @@ class KVCacheManager:
         return self._ref[block_id]
 
     def is_cached(self, block_id: int) -> bool:
-        if self._later:
-            self.flush_commits()
+        self.flush_commits()
         return self._hash[block_id] is not None
 
     def check_invariants(self, live_request_ids: Iterable[str] | None = None) -> None:
@@ -376,8 +371,7 @@ class KVCacheManager:
         block's ref count equals its number of holders; free blocks have
         ref 0; the hash index and per-block hashes agree.
         """
-        if self._later:
-            self.flush_commits()
+        self.flush_commits()
         held: dict[int, int] = {}
         for rid, blocks in self._req_blocks.items():
             assert len(set(blocks)) == len(blocks), f"{rid} holds a block twice: {blocks}"

@@ -50,18 +50,24 @@ class StreamBpeTokenizer(BpeTokenizer):
         return self._tok
 
 
+def _byte_level_bpe(corpus=CORPUS, vocab_size: int = 300, special=(END,)) -> Tokenizer:
+    """A byte-level BPE (GPT-2's pre-tokenizer and decoder) trained on `corpus`."""
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(special),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return t
+
+
 @pytest.fixture(params=["window", "stream", "pieces"])
 def tok(request, monkeypatch):
     """The same byte-level BPE through the window scheme, DecodeStream alone, and the piece
     table in front of DecodeStream (the default for a byte-level vocabulary)."""
     if request.param == "stream":
         monkeypatch.setattr(detokenizer, "_clean_pieces", lambda backend: None)
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    t.train_from_iterator(CORPUS, trainer=trainer)
+    t = _byte_level_bpe()
     return (BpeTokenizer if request.param == "window" else StreamBpeTokenizer)(t)
 
 
@@ -347,11 +353,7 @@ def _pieces_against_stream(tok, seed: int, vocab: int, pool: list[int]) -> None:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_piece_table_equals_the_stream(seed):
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(CORPUS, trainer=trainers.BpeTrainer(
-        vocab_size=300, special_tokens=[END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t = _byte_level_bpe()
     tok = StreamBpeTokenizer(t)
     vocab = t.get_vocab_size(with_added_tokens=True)
     table = detokenizer._clean_pieces(t)
@@ -386,22 +388,14 @@ def test_the_output_processor_makes_the_piece_table_at_start():
     """Built with the engine, so no request pays for it in its time to first token."""
     from jaxserve.engine.output_processor import OutputProcessor
 
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(CORPUS[:2], trainer=trainers.BpeTrainer(
-        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t = _byte_level_bpe(CORPUS[:2], 280, special=())
     assert id(t) not in detokenizer._PIECES
     OutputProcessor(StreamBpeTokenizer(t))
     assert detokenizer._PIECES[id(t)][0] is t and detokenizer._PIECES[id(t)][2] is not None
 
 
 def test_the_piece_table_follows_a_grown_vocabulary():
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(CORPUS[:2], trainer=trainers.BpeTrainer(
-        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t = _byte_level_bpe(CORPUS[:2], 280, special=())
     tok = StreamBpeTokenizer(t)
     n = len(detokenizer._clean_pieces(t))
     t.add_tokens(["<newtok>"])

@@ -160,24 +160,10 @@ def test_deferred_commits_leave_the_cache_as_committing_at_once(pool):
     for defer in (True, False):
         s = make_scheduler(budget=8, max_seqs=3, block_size=4, num_kv_blocks=pool)
         s.add_request(make_req("c", 29, max_tokens=9))  # chunks alone: nothing waits
-        trace, inflight = [], None
-        for step in range(400):
-            if step == 3:
-                for r in reqs():
-                    s.add_request(r)
-            if step in (10, 13):  # the outputs of "a" so far as a prompt: hits on its blocks
-                s.add_request(make_req(f"late{step}", late, max_tokens=4))
-            if inflight is None and not s.has_unfinished_requests():
-                break
-            nxt = s.schedule(ahead=inflight is not None, defer_commits=defer)
-            s.commit_deferred()
-            check_invariants(s)
-            trace.append((rows(nxt), nxt.preempted_ids, _kv_state(s)))
-            if inflight is not None:
-                s.update_from_output(inflight, tokens(inflight, default_token))
-            inflight = nxt if nxt.scheduled else None
-        assert_pool_clean(s)
-        runs[defer] = trace
+        # then the outputs of "a" so far as a prompt: hits on its blocks
+        arrivals = {3: reqs(), 10: [make_req("late10", late, max_tokens=4)],
+                    13: [make_req("late13", late, max_tokens=4)]}
+        runs[defer] = _engine_order_trace(s, defer, arrivals, max_steps=400)
     assert runs[True] == runs[False]
     assert runs[True][-1][2][4] > 0  # prefix hits happened
 
@@ -195,11 +181,18 @@ def _random_run(seed: int, defer: bool) -> list:
         p = list(rng.choice(prompts)) + ([rng.randint(10, 20)] if rng.random() < 0.3 else [])
         adds.setdefault(rng.randint(0, 30), []).append(
             make_req(f"r{k}", p, max_tokens=rng.randint(1, 12)))
-    trace, inflight = [], None
-    for step in range(300):
-        for r in adds.get(step, []):
+    return _engine_order_trace(s, defer, adds, max_steps=300)
+
+
+def _engine_order_trace(s, defer: bool, arrivals: dict[int, list], max_steps: int) -> list:
+    """Drive `s` as the engine does (plan ahead, register the blocks after the "dispatch",
+    apply the step before), adding `arrivals[step]` at each step, until nothing is left to
+    run or arrive; each step's plan and cache, the pool checked clean at the end."""
+    trace, inflight, last = [], None, max(arrivals, default=-1)
+    for step in range(max_steps):
+        for r in arrivals.get(step, []):
             s.add_request(r)
-        if inflight is None and not s.has_unfinished_requests() and step > 31:
+        if inflight is None and not s.has_unfinished_requests() and step > last:
             break
         nxt = s.schedule(ahead=inflight is not None, defer_commits=defer)
         s.commit_deferred()
