@@ -9,8 +9,8 @@ between program calls (step wall minus the programs), and tokens/s of the unwrap
 (no blocking). Variants:
   default    the shipped thresholds (`linear.HEAD_NATIVE_MAX_ROWS`, `FLOAT_NATIVE_MAX_ROWS`)
   head_off   HEAD_NATIVE_MAX_ROWS = 0 (the tied fp32 head on XLA: the "before")
-  layers_on  FLOAT_NATIVE_MAX_ROWS = 8 (the layers' matrices on the "kn" kernel to 8 rows)
-  layers2    FLOAT_NATIVE_MAX_ROWS = 2 (the shipped value since the fifth session)
+  layers_on  FLOAT_NATIVE_MAX_ROWS = 8 (the shipped value since the fourteenth session)
+  layers2    FLOAT_NATIVE_MAX_ROWS = 2 (the shipped value, fifth to thirteenth session)
   layers_off FLOAT_NATIVE_MAX_ROWS = 0 (the layers on XLA's dot: the "before" of that)
   g<N>       the shipped thresholds with `EngineConfig.layers_per_program = N` (g1: the CPU
              default; g30: SmolLM2's whole stack in one program)

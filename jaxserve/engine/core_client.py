@@ -20,9 +20,10 @@ follows the core's pace; a request whose stop string is found here has its KV fr
 step or two later (the tokens the core made after it are dropped here); an add the core
 refuses (its LoRA adapter, its grammar, a sleeping engine with `reject_new`) ends with
 finish_reason "error" and the reason instead of raising; a step that raises in the core
-raises here and the core serves on; every other engine call goes through `call`. Known gap: when a dispatch fails in the same core step as row errors,
-an n > 1 request may get its outputs in one `RequestOutput` here where the one-process
-engine gives two (the "collect" marker flushes every parent pending here).
+raises here and the core serves on; every other engine call goes through `call`. Known
+gap: when a dispatch fails in the same core step as row errors, an n > 1 request may get
+its outputs in one `RequestOutput` here where the one-process engine gives two (the
+"collect" marker flushes every parent pending here).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class MPEngine:
         not waiting for this side to take a message while this side is at most a step
         behind, so a late wake-up here costs the device nothing (issue 24's bench at 256
         rows, D = 2 ms: ~480 against ~477 tokens per request per second, the core's wait
-        for a credit 0.2 -> 0.03 ms a step); the price is that a stop string found here, an abort or an add reaches the
-        core up to a step later than with 1.
+        for a credit 0.2 -> 0.03 ms a step); the price is that a stop string found here,
+        an abort or an add reaches the core up to a step later than with 1.
 
     Raises:
       EngineCoreError: the core process failed to build its engine (the reason given).

@@ -26,10 +26,11 @@ from jaxserve.model.quant import QuantizedWeight
 NATIVE_MAX_ROWS = 64
 # Rows up to which a tied fp32 LM head uses the native float kernel on CPU (XLA runs the
 # one-row [1, 576] @ [576, 49152] at 13-19 GB/s; notes/issue26_fp32.md), and the same for
-# the layers' float matrices at <= 2 rows (the "kn" kernel split along K: 30 layers'
-# matrices 0.87-0.91x XLA's time at M = 1-2, 1.0-1.05x at M = 3-4; notes/issue26.md).
-HEAD_NATIVE_MAX_ROWS = 4
-FLOAT_NATIVE_MAX_ROWS = 2
+# the layers' float matrices (the "kn" kernel: 30 layers' matrices 0.77 / 0.74 / 0.56 /
+# 0.81x XLA's time at M = 1 / 2 / 4 / 8, slower from 16; the head 0.22-0.88x at 1-8 rows,
+# 1.07x at 16: notes/issue26.md, fourteenth session).
+HEAD_NATIVE_MAX_ROWS = 8
+FLOAT_NATIVE_MAX_ROWS = 8
 # Rows up to which a block-scaled weight's XLA path is `_reduce_dot` (no dequantized copy;
 # each extra row re-reads the blocks, so past a few rows the GEMM on a dequantized copy wins).
 REDUCE_MAX_ROWS = 4

@@ -1,6 +1,6 @@
 """The native CPU float matmul (issue 26 item 3, `native_fmatmul`): both layouts against a
 float64 NumPy product on odd shapes (the "kn" one serial and threaded), the routing in
-`linear` (tied head, layers at <= 2 rows), and
+`linear` (tied head and layers at <= 8 rows), and
 that the executable cache keys on the kernel and its thresholds."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_fmatmul_matches_float64(layout, kn_threads):
         rng = np.random.default_rng(n * k)
         w_nk = rng.standard_normal((n, k)).astype(np.float32)
         w = w_nk if layout == "nk" else np.ascontiguousarray(w_nk.T)
-        for m in (1, 2, 3, 7, 8):
+        for m in (1, 2, 3, 4, 5, 7, 8, 9, 16):  # the kn kernel takes x's rows 4 at a time
             x = rng.standard_normal((m, k)).astype(np.float32)
             want = x.astype(np.float64) @ w_nk.astype(np.float64).T
             got = np.asarray(fn(x, w))
@@ -49,11 +49,12 @@ def test_fmatmul_matches_float64(layout, kn_threads):
 
 def test_fmatmul_kn_threads_and_batch_do_not_change_bits():
     """The "kn" kernel's K split does not depend on the threads (serial and threaded give
-    the same bits), and a row of y depends on its row of x alone (M = 1 and M = 2 agree
-    bit for bit: batch-invariant)."""
+    the same bits), and a row of y depends on its row of x alone: every row of an M-row
+    product equals that row's one-row product bit for bit (batch-invariant, M = 1-9 and
+    16, i.e. rows in blocks of 4, 3, 2 and 1), on a width with 16-, 8- and 1-column strips."""
     rng = np.random.default_rng(11)
-    w = rng.standard_normal((2000, 520)).astype(np.float32)  # 4 MB, 32 tasks: threaded
-    x = rng.standard_normal((2, 2000)).astype(np.float32)
+    w = rng.standard_normal((2000, 537)).astype(np.float32)  # 4 MB, 32 tasks: threaded
+    x = rng.standard_normal((16, 2000)).astype(np.float32)
     fn = jax.jit(lambda x, w: native_fmatmul.fmatmul(x, w, layout="kn"))
     before = native_fmatmul.kn_serial_bytes()
     assert before == 1 << 19
@@ -66,9 +67,29 @@ def test_fmatmul_kn_threads_and_batch_do_not_change_bits():
             np.testing.assert_array_equal(np.asarray(fn(x, w)), base)
     finally:
         native_fmatmul.set_kn_serial_bytes(before)
-    np.testing.assert_array_equal(np.asarray(fn(x[1:], w)), base[1:])
+    rows = np.concatenate([np.asarray(fn(x[i:i + 1], w)) for i in range(16)])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 16):
+        np.testing.assert_array_equal(np.asarray(fn(x[:m], w)), rows[:m], err_msg=f"M = {m}")
     want = x.astype(np.float64) @ w
-    np.testing.assert_allclose(base, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(rows, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_fmatmul_kn_past_the_scratch_cap_keeps_every_row_of_w():
+    """Past 64 MiB of partial sums (here 104 tasks x [420, 420] = 73 MB) the K split's tasks
+    run one by one through one buffer: all of K counted (the first version used only the
+    first task's 64 rows of W) and the same bits as the threaded split (each row equals
+    its one-row product, which stays under the cap)."""
+    rng = np.random.default_rng(12)
+    m, k, n = 420, 6720, 420
+    assert (k // 64 - 1) * m * n * 4 > 64 << 20 > (k // 64 - 1) * 1 * n * 4
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    fn = jax.jit(lambda x, w: native_fmatmul.fmatmul(x, w, layout="kn"))
+    got = np.asarray(fn(x, w))
+    want = x.astype(np.float64) @ w
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for i in (0, 201, 419):
+        np.testing.assert_array_equal(got[i], np.asarray(fn(x[i:i + 1], w))[0])
 
 
 def test_fmatmul_rejects_bad_shapes():
@@ -92,7 +113,8 @@ def test_routing_tied_head_and_layers(monkeypatch):
     embed = rng.standard_normal((67, 48)).astype(np.float32)
     w = rng.standard_normal((48, 30)).astype(np.float32)
     head = lambda h, e: linear.head_matrix_product(h, e, tied=True)  # noqa: E731
-    for m in (1, 3, 5):
+    assert linear.HEAD_NATIVE_MAX_ROWS == 8
+    for m in (1, 3, 8, 9):
         h = rng.standard_normal((m, 48)).astype(np.float32)
         np.testing.assert_allclose(np.asarray(jax.jit(head)(h, embed)), h @ embed.T,
                                    rtol=1e-5, atol=1e-5)
@@ -100,13 +122,13 @@ def test_routing_tied_head_and_layers(monkeypatch):
         assert ("jaxserve_fmatmul_nk" in _targets(head, h, embed)) == native, m
         # bf16 activations never take the f32 kernel
         assert "jaxserve_fmatmul" not in _targets(head, h.astype(jnp.bfloat16), embed)
-    x = rng.standard_normal((2, 48)).astype(np.float32)
-    assert linear.FLOAT_NATIVE_MAX_ROWS == 2  # layers: the "kn" kernel up to 2 rows
+    x = rng.standard_normal((8, 48)).astype(np.float32)
+    assert linear.FLOAT_NATIVE_MAX_ROWS == 8  # layers: the "kn" kernel up to 8 rows
     assert "jaxserve_fmatmul_kn" in _targets(linear.linear, x, w)
     np.testing.assert_allclose(np.asarray(jax.jit(lambda a, b: linear.linear(a, b))(x, w)), x @ w, rtol=1e-5,
                                atol=1e-5)
-    x3 = rng.standard_normal((3, 48)).astype(np.float32)
-    assert "jaxserve_fmatmul" not in _targets(linear.linear, x3, w)
+    x9 = rng.standard_normal((9, 48)).astype(np.float32)
+    assert "jaxserve_fmatmul" not in _targets(linear.linear, x9, w)
     monkeypatch.setattr(linear, "FLOAT_NATIVE_MAX_ROWS", 0)
     assert "jaxserve_fmatmul" not in _targets(linear.linear, x, w)
 

@@ -5,24 +5,29 @@
 //       embedding [V, E] this way: each output is a dot product of contiguous rows.
 //       Register tiles of 4 weight rows x 1-2 rows of x, 8-wide FMA along K.
 //   kn (jaxserve_fmatmul_kn): W f32[K, N], y = x @ W (the layers' canonical matrices).
-//       Split along K: task c owns the contiguous rows [k0, k1) of W (one sequential
-//       stream of memory) and writes the partial product x[:, k0:k1] @ W[k0:k1] into its
-//       own slice of a scratch buffer, one row of W at a time added into its partial rows
-//       (kept in L1/L2); the caller then sums the partials in task order. The split
-//       depends on K alone, so the result is the same whichever threads ran the tasks, and
-//       each row of y depends only on its row of x (the kernel is batch-invariant; the
-//       engine sends only up to linear.FLOAT_NATIVE_MAX_ROWS rows here, XLA the rest).
+//       Split along K: task c owns the contiguous rows [k0, k1) of W and writes the
+//       partial product x[:, k0:k1] @ W[k0:k1] into its own slice of a scratch buffer; the
+//       caller then sums the partials in task order. Inside a task, W's rows go in chunks
+//       of kKChunk (kKChunk sequential streams), each chunk strip by strip along N (16
+//       columns) with x's rows four at a time, the 4 x 16 sums in registers and added
+//       into the partial rows once a chunk. The split depends on K alone and each
+//       output's sum on its own row of x, so the result is the same whichever threads ran
+//       the tasks and whatever M is (batch-invariant; the engine sends up to
+//       linear.FLOAT_NATIVE_MAX_ROWS rows here, XLA the rest).
 //
 // Why: XLA:CPU runs a one-row dot at 13-19 GB/s of weight (a single-threaded loop for
-// M = 1); these kernels split the weight over XLA's intra-op pool (ffi::ThreadPool) and the
-// calling thread, in tasks of kRowsPerTask output rows (nk) or kKRowsPerTask rows of W
-// (kn). Measured (notes/issue26.md): the kn kernel at ~20-25 GB/s, 0.87-0.91x XLA's
-// time on SmolLM2's layer matrices at M = 1-2 (not faster at 3-4), below the ~46 GB/s
-// two streaming threads reach here. (The first kn kernel gave each task a
-// block of 64 output columns over all of K: 256 bytes of each row of W, one row apart, a
-// strided walk that ran at ~9 GB/s against XLA's ~18.) Any K and N: tails are scalar.
-// Without AVX2 a portable scalar loop computes the same sums in the same order (kn: the
-// same fused multiply-adds, so the same bits; nk: separate multiply and add).
+// M = 1) and a 4-8-row one at 10-11 GB/s; these kernels split the weight over XLA's
+// intra-op pool (ffi::ThreadPool) and the calling thread, in tasks of kRowsPerTask output
+// rows (nk) or kKRowsPerTask rows of W (kn). Measured on 30 layers of SmolLM2's matrices
+// in one program (notes/issue26.md, fourteenth session; two threads stream ~28 GB/s
+// here): kn 16.3 / 17.6 / 21.8 / 34.0 ms at M = 1 / 2 / 4 / 8 against XLA's 21.2 / 23.8 /
+// 38.6 / 42.0; XLA wins from 16 rows. (Earlier kn kernels: one row of W at a time added
+// into the partial rows, a load and a store of the partial per multiply-add, ran 1.7x
+// slower at 4 rows; 64 output columns a task over all of K, a strided walk, ~9 GB/s.)
+// The accumulators are local 1-D arrays with unrolled loops: GCC otherwise stored them to
+// the stack on every step (1.3-1.5x slower; the nk tiles too). Any K and N: tails are
+// scalar. Without AVX2 a portable scalar loop computes the same sums in the same order
+// (kn: the same fused multiply-add chains, so the same bits; nk: separate multiply and add).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -45,8 +50,9 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 32;  // nk: output rows (= weight rows) per task
 constexpr int64_t kKRowsPerTask = 64;  // kn: rows of W (along K) per task
+constexpr int64_t kKChunk = 8;  // kn: rows of W summed in registers before adding into out
 // kn: at most this many bytes of partial products; past it (many rows of x, a large
-// weight) the product runs as one task, with no scratch.
+// weight) the tasks run one by one on the caller through one [M, N] buffer.
 constexpr int64_t kKNMaxScratchBytes = int64_t{64} << 20;
 // kn products of fewer weight bytes than this run on the calling thread alone (waking the
 // pool costs more than it saves).
@@ -86,17 +92,22 @@ inline float DotTail(const float* a, const float* b, int64_t k0, int64_t K) {
   return s;
 }
 
-// out[:, :] = x[:, k0:k1] @ W[k0:k1, :] as the AVX2 RunKN does it: W's rows in order, one
-// fused multiply-add per element into the zeroed partial rows (the same bits).
+// One output's share of a chunk of W's rows [kc, ke), x[r, kc:ke] . W[kc:ke, c]: the fused
+// multiply-add chain from zero that the AVX2 blocks compute lane by lane (so the same bits).
+inline float KNChain(const Work& w, int64_t r, int64_t c, int64_t kc, int64_t ke) {
+  float a = 0.f;
+  for (int64_t k = kc; k < ke; ++k) a = std::fma(w.x[r * w.K + k], w.w[k * w.N + c], a);
+  return a;
+}
+
+// out[:, :] = x[:, k0:k1] @ W[k0:k1, :] as the AVX2 RunKN does it, the same bits: W's rows
+// in chunks of kKChunk, each chunk's chain added into the (zeroed) partial output.
 void KNScalar(const Work& w, int64_t k0, int64_t k1, float* out) {
   std::fill(out, out + w.M * w.N, 0.f);
-  for (int64_t k = k0; k < k1; ++k) {
-    const float* wk = w.w + k * w.N;
-    for (int64_t r = 0; r < w.M; ++r) {
-      const float xv = w.x[r * w.K + k];
-      float* o = out + r * w.N;
-      for (int64_t c = 0; c < w.N; ++c) o[c] = std::fma(xv, wk[c], o[c]);
-    }
+  for (int64_t kc = k0; kc < k1; kc += kKChunk) {
+    const int64_t ke = std::min(k1, kc + kKChunk);
+    for (int64_t r = 0; r < w.M; ++r)
+      for (int64_t c = 0; c < w.N; ++c) out[r * w.N + c] += KNChain(w, r, c, kc, ke);
   }
 }
 
@@ -108,25 +119,32 @@ inline float HSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// y[r0:r0+RT, n0:n0+NT] = x[r0:r0+RT] . W[n0:n0+NT] over the whole K.
+// y[r0:r0+RT, n0:n0+NT] = x[r0:r0+RT] . W[n0:n0+NT] over the whole K. (Locals and a flat
+// accumulator array, loops unrolled: otherwise GCC stores the accumulators every step.)
 template <int NT, int RT>
 void TileNK(const Work& w, int64_t n0, int64_t r0) {
-  __m256 acc[NT][RT];
-  for (int i = 0; i < NT; ++i)
-    for (int r = 0; r < RT; ++r) acc[i][r] = _mm256_setzero_ps();
-  const int64_t k8 = w.K & ~int64_t{7};
+  const int64_t K = w.K, N = w.N;
+  const float* const wr = w.w + n0 * K;
+  const float* const xr = w.x + r0 * K;
+  __m256 acc[NT * RT];
+#pragma GCC unroll 8
+  for (int i = 0; i < NT * RT; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t k8 = K & ~int64_t{7};
   for (int64_t k = 0; k < k8; k += 8) {
     __m256 wv[NT];
-    for (int i = 0; i < NT; ++i) wv[i] = _mm256_loadu_ps(w.w + (n0 + i) * w.K + k);
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; ++i) wv[i] = _mm256_loadu_ps(wr + i * K + k);
+#pragma GCC unroll 8
     for (int r = 0; r < RT; ++r) {
-      const __m256 xv = _mm256_loadu_ps(w.x + (r0 + r) * w.K + k);
-      for (int i = 0; i < NT; ++i) acc[i][r] = _mm256_fmadd_ps(wv[i], xv, acc[i][r]);
+      const __m256 xv = _mm256_loadu_ps(xr + r * K + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < NT; ++i) acc[i * RT + r] = _mm256_fmadd_ps(wv[i], xv, acc[i * RT + r]);
     }
   }
   for (int i = 0; i < NT; ++i)
     for (int r = 0; r < RT; ++r)
-      w.y[(r0 + r) * w.N + n0 + i] =
-          HSum(acc[i][r]) + DotTail(w.x + (r0 + r) * w.K, w.w + (n0 + i) * w.K, k8, w.K);
+      w.y[(r0 + r) * N + n0 + i] =
+          HSum(acc[i * RT + r]) + DotTail(xr + r * K, wr + i * K, k8, K);
 }
 
 template <int NT>
@@ -142,24 +160,62 @@ void Work::RunNK(int64_t n0, int64_t n1) {
   for (; n < n1; ++n) RowsNK<1>(*this, n);
 }
 
-// out[:, :] = x[:, k0:k1] @ W[k0:k1, :]: W's rows in order, one at a time, each added into
-// every partial row of out (8-float chunks, then a scalar tail), out staying in L1/L2 and W
-// read once as one sequential stream. (Four rows of W per pass, i.e. four streams, measured
-// slower.) One output's sum is the chain of fused multiply-adds over k from 0: the same
-// whatever M is.
-void Work::RunKN(int64_t k0, int64_t k1, float* out) {
-  const int64_t n8 = N & ~int64_t{7};
-  for (int64_t r = 0; r < M; ++r) std::fill(out + r * N, out + (r + 1) * N, 0.f);
-  for (int64_t k = k0; k < k1; ++k) {
-    const float* wk = w + k * N;
-    for (int64_t r = 0; r < M; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * K + k);
-      float* o = out + r * N;
-      for (int64_t c = 0; c < n8; c += 8)
-        _mm256_storeu_ps(o + c, _mm256_fmadd_ps(a, _mm256_loadu_ps(wk + c), _mm256_loadu_ps(o + c)));
-      for (int64_t c = n8; c < N; ++c) o[c] = std::fma(x[r * K + k], wk[c], o[c]);
+// The partial product of rows [r0, r0 + MR) of x over one chunk of W's rows [kc, ke) and
+// the 16 (C = 2) or 8 (C = 1) columns from c: accumulators in registers (MR x C vectors),
+// one fused multiply-add chain per output from zero, added into out at the end.
+template <int MR, int C>
+inline void KNBlock(const Work& w, int64_t r0, int64_t kc, int64_t ke, int64_t c, float* out) {
+  // Locals, and one 1-D array a column vector: with w's members read in the loop, or one
+  // [MR][C] array, GCC kept the accumulators on the stack (a store every step; 1.5x slower).
+  static_assert(C == 1 || C == 2);
+  const int64_t K = w.K, N = w.N;
+  const float* const x = w.x + r0 * K;
+  const float* wk = w.w + kc * N + c;
+  __m256 a0[MR], a1[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t k = kc; k < ke; ++k, wk += N) {
+    const __m256 w0 = _mm256_loadu_ps(wk);
+    const __m256 w1 = C == 2 ? _mm256_loadu_ps(wk + 8) : w0;
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x + r * K + k);
+      a0[r] = _mm256_fmadd_ps(b, w0, a0[r]);
+      if constexpr (C == 2) a1[r] = _mm256_fmadd_ps(b, w1, a1[r]);
     }
   }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    float* o = out + (r0 + r) * N + c;
+    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), a0[r]));
+    if constexpr (C == 2) _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_loadu_ps(o + 8), a1[r]));
+  }
+}
+
+// Rows [r0, r0 + MR) of x over W's rows [k0, k1): chunk by chunk (kKChunk rows of W, i.e.
+// kKChunk sequential streams, which the prefetcher follows), strip by strip along N.
+template <int MR>
+void KNRows(const Work& w, int64_t r0, int64_t k0, int64_t k1, float* out) {
+  const int64_t n16 = w.N & ~int64_t{15}, n8 = w.N & ~int64_t{7};
+  for (int64_t kc = k0; kc < k1; kc += kKChunk) {
+    const int64_t ke = std::min(k1, kc + kKChunk);
+    for (int64_t c = 0; c < n16; c += 16) KNBlock<MR, 2>(w, r0, kc, ke, c, out);
+    if (n8 > n16) KNBlock<MR, 1>(w, r0, kc, ke, n16, out);
+    for (int64_t c = n8; c < w.N; ++c)  // scalar tail, the same chain per output
+      for (int64_t r = r0; r < r0 + MR; ++r) out[r * w.N + c] += KNChain(w, r, c, kc, ke);
+  }
+}
+
+// out[:, :] = x[:, k0:k1] @ W[k0:k1, :], x's rows four at a time (a block of 4 x 16
+// outputs fills 8 of the 16 AVX2 registers). Each output's sum is the same chain whatever
+// M is (batch-invariant), and the same bits as KNScalar.
+void Work::RunKN(int64_t k0, int64_t k1, float* out) {
+  std::fill(out, out + M * N, 0.f);
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) KNRows<4>(*this, r, k0, k1, out);
+  if (M - r == 3) KNRows<3>(*this, r, k0, k1, out);
+  if (M - r == 2) KNRows<2>(*this, r, k0, k1, out);
+  if (M - r == 1) KNRows<1>(*this, r, k0, k1, out);
 }
 #else
 void Work::RunNK(int64_t n0, int64_t n1) {
@@ -189,10 +245,12 @@ ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x,
   work->x = x.typed_data(), work->w = w.typed_data(), work->y = y->typed_data();
   work->n_tasks = kn ? std::max<int64_t>(1, (K + kKRowsPerTask - 1) / kKRowsPerTask)
                      : (N + kRowsPerTask - 1) / kRowsPerTask;
-  if (kn && (work->n_tasks - 1) * M * N * 4 > kKNMaxScratchBytes) work->n_tasks = 1;
+  // Past kKNMaxScratchBytes of partials (many rows of x, a large weight), the tasks run one
+  // after another on the caller through one [M, N] buffer: the same sums in the same order.
+  const bool one_by_one = kn && (work->n_tasks - 1) * M * N * 4 > kKNMaxScratchBytes;
   thread_local std::vector<float> scratch;  // the caller's; helpers write it while it waits
   if (kn && work->n_tasks > 1) {
-    const size_t need = static_cast<size_t>((work->n_tasks - 1) * M * N);
+    const size_t need = static_cast<size_t>((one_by_one ? 1 : work->n_tasks - 1) * M * N);
     try {
       if (scratch.size() < need) scratch.resize(need);
     } catch (const std::bad_alloc&) {
@@ -200,6 +258,15 @@ ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x,
                         "fmatmul_kn: no memory for " + std::to_string(need) + " partial sums");
     }
     work->part = scratch.data();
+  }
+  if (one_by_one) {
+    float* yd = work->y;
+    work->RunKN(0, std::min(K, kKRowsPerTask), yd);
+    for (int64_t t = 1; t < work->n_tasks; ++t) {
+      work->RunKN(t * kKRowsPerTask, std::min(K, (t + 1) * kKRowsPerTask), work->part);
+      for (int64_t i = 0; i < M * N; ++i) yd[i] += work->part[i];
+    }
+    return ffi::Error::Success();
   }
   const bool serial = kn && K * N * 4 < g_kn_serial_bytes.load(std::memory_order_relaxed);
   // Never more threads than cores: the caller is itself one of XLA's threads.
