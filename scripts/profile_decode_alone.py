@@ -12,6 +12,8 @@ between program calls (step wall minus the programs), and tokens/s of the unwrap
   layers_on  FLOAT_NATIVE_MAX_ROWS = 8 (the shipped value since the fourteenth session)
   layers2    FLOAT_NATIVE_MAX_ROWS = 2 (the shipped value, fifth to thirteenth session)
   layers_off FLOAT_NATIVE_MAX_ROWS = 0 (the layers on XLA's dot: the "before" of that)
+  many_off   FLOAT_NATIVE_MANY = False (q, k, v and gate, up one native call each: the
+             "before" of `linear.linear_many`)
   g<N>       the shipped thresholds with `EngineConfig.layers_per_program = N` (g1: the CPU
              default; g30: SmolLM2's whole stack in one program)
   fused      `EngineConfig.fuse_projections = True` (q|k|v and gate|up as one matrix each)
@@ -39,7 +41,7 @@ from jaxserve.model import linear
 
 VARIANTS = {"default": {}, "head_off": {"HEAD_NATIVE_MAX_ROWS": 0},
             "layers_on": {"FLOAT_NATIVE_MAX_ROWS": 8}, "layers2": {"FLOAT_NATIVE_MAX_ROWS": 2},
-            "layers_off": {"FLOAT_NATIVE_MAX_ROWS": 0}}
+            "layers_off": {"FLOAT_NATIVE_MAX_ROWS": 0}, "many_off": {"FLOAT_NATIVE_MANY": False}}
 
 
 class Timed:

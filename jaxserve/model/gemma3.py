@@ -25,7 +25,7 @@ from typing import Any
 import jax
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.lora import project
+from jaxserve.model.lora import project, project_many
 from jaxserve.model.ops import apply_rope, rms_norm
 
 
@@ -46,7 +46,8 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     inv_freq: f32[D/2], this layer's RoPE table (local or global, chosen by the caller);
     window: i32[] keys a query sees on this layer, or None (a global layer of a model
     with no sliding layer); lora_slots: i32[T] per-token LoRA slots, or None. Every
-    projection goes through `lora.project` (float or quantized weights, plus the delta).
+    projection goes through `lora.project` / `project_many` (float or quantized weights,
+    plus the delta).
     """
     T = x.shape[0]
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -55,12 +56,13 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     def proj(a: jax.Array, name: str) -> jax.Array:
         return project(a, lp, name, lora_slots)
 
-    q, k, v = proj(h, "wq").reshape(T, H, D), proj(h, "wk").reshape(T, K, D), \
-        proj(h, "wv").reshape(T, K, D)
+    q, k, v = project_many(h, lp, ("wq", "wk", "wv"), lora_slots)
+    q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
     q = apply_rope(rms_norm(q, lp["q_norm"], eps), positions, inv_freq)
     k = apply_rope(rms_norm(k, lp["k_norm"], eps), positions, inv_freq)
     o, attn_carry = attn_fn(q, k, v, attn_carry, layer, window)  # [T, H, D]
     x = x + rms_norm(proj(o.reshape(T, H * D), "wo"), lp["post_attn_norm"], eps)
     h = rms_norm(x, lp["mlp_norm"], eps)
-    h = proj(activation(cfg, proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
+    gate, up = project_many(h, lp, ("w_gate", "w_up"), lora_slots)
+    h = proj(activation(cfg, gate) * up, "w_down")
     return x + rms_norm(h, lp["post_mlp_norm"], eps), attn_carry

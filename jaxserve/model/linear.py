@@ -10,7 +10,8 @@ fly product for a `jaxserve.model.quant.QuantizedWeight` (stored [N, K]):
 `embed_rows` gathers embedding rows, `head_matrix_product` is the LM head: a tied fp32
 head on CPU at <= HEAD_NATIVE_MAX_ROWS rows goes to the native float kernel
 (`native_fmatmul`, layout "nk" over the embedding), as does a float layer matrix at
-<= FLOAT_NATIVE_MAX_ROWS rows (layout "kn"; 0 = off; notes/issue26_fp32.md, notes/issue26.md).
+<= FLOAT_NATIVE_MAX_ROWS rows (layout "kn"; 0 = off; notes/issue26_fp32.md, notes/issue26.md),
+and `linear_many` runs several of those of one x in one kernel call.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ NATIVE_MAX_ROWS = 64
 # 1.07x at 16: notes/issue26.md, fourteenth session).
 HEAD_NATIVE_MAX_ROWS = 8
 FLOAT_NATIVE_MAX_ROWS = 8
+# Whether `linear_many` runs several float products of one x in one native call (False: one
+# call each; the same bits either way).
+FLOAT_NATIVE_MANY = True
 # Rows up to which a block-scaled weight's XLA path is `_reduce_dot` (no dequantized copy;
 # each extra row re-reads the blocks, so past a few rows the GEMM on a dequantized copy wins).
 REDUCE_MAX_ROWS = 4
@@ -132,6 +136,22 @@ def linear(x: jax.Array, w) -> jax.Array:
     if isinstance(w, QuantizedWeight):
         return quantized_matmul(x, w)
     return float_matmul(x, w)
+
+
+def linear_many(x: jax.Array, ws) -> tuple[jax.Array, ...]:
+    """(linear(x, w) for w in ws), e.g. q, k and v of one normed x. Float weights that would
+    each take the native "kn" kernel (CPU, M <= FLOAT_NATIVE_MAX_ROWS) take it in one call
+    (`native_fmatmul.fmatmul_many`: one wake-up of the pool, the same bits as one call each;
+    the weights stay separate leaves, so XLA's dots above that many rows are untouched);
+    anything else is one `linear` each."""
+    ws = tuple(ws)
+    if (not FLOAT_NATIVE_MANY or len(ws) < 2 or len(ws) > native_fmatmul.MAX_PRODUCTS
+            or not all(isinstance(w, jax.Array) and _native_float_fits(x, w, FLOAT_NATIVE_MAX_ROWS)
+                       for w in ws)):
+        return tuple(linear(x, w) for w in ws)
+    return tuple(jax.lax.platform_dependent(
+        x, *ws, cpu=lambda a, *b: native_fmatmul.fmatmul_many(a, b),
+        default=lambda a, *b: tuple(a @ w for w in b)))
 
 
 def embed_rows(embed, ids: jax.Array) -> jax.Array:

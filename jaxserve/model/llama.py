@@ -41,7 +41,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.attention.common import NO_WINDOW, AttentionBackend, MdT
 from jaxserve.model import fused, gemma3
 from jaxserve.model.linear import embed_rows, head_matrix_product, linear
-from jaxserve.model.lora import project
+from jaxserve.model.lora import project, project_many
 from jaxserve.model.ops import apply_rope, rms_norm  # noqa: F401 - re-exported
 from jaxserve.model.params import param_shapes  # noqa: F401 - re-exported
 from jaxserve.model.quant import QuantizedWeight, engine_scheme, quantize_leaf
@@ -312,7 +312,7 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
             qkv = qkv + lp["bqkv"]
         q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=-1)
     else:  # the canonical keys: the reference path and the default engine layout
-        q, k, v = (project(h, lp, n, lora_slots) for n in ("wq", "wk", "wv"))
+        q, k, v = project_many(h, lp, ("wq", "wk", "wv"), lora_slots)
         if cfg.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
@@ -327,7 +327,7 @@ def decoder_layer(cfg: ModelConfig, x: jax.Array, lp: dict[str, jax.Array], posi
     if "w_gate_up" in lp:
         gate, up = jnp.split(linear(h, lp["w_gate_up"]), 2, axis=-1)
     else:
-        gate, up = project(h, lp, "w_gate", lora_slots), project(h, lp, "w_up", lora_slots)
+        gate, up = project_many(h, lp, ("w_gate", "w_up"), lora_slots)
     x = x + project(jax.nn.silu(gate) * up, lp, "w_down", lora_slots)  # (Gemma: gemma3.py)
     return x, attn_carry
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.linear import linear
+from jaxserve.model.linear import linear, linear_many
 
 
 def lora_leaf_shapes(cfg: ModelConfig, max_loras: int, max_rank: int) -> dict[str, tuple]:
@@ -68,6 +68,18 @@ def project(h: jax.Array, lp: dict, name: str, lora_slots: jax.Array | None) -> 
     if a is None or lora_slots is None:
         return y
     return y + lora_delta(h, a, lp[f"lora_b_{name}"], lora_slots)
+
+
+def project_many(h: jax.Array, lp: dict, names: "tuple[str, ...]",
+                 lora_slots: jax.Array | None) -> tuple[jax.Array, ...]:
+    """(project(h, lp, n, lora_slots) for n in names), the products in one call where
+    `linear_many` can (q, k and v; gate and up)."""
+    ys = linear_many(h, [lp[n] for n in names])
+    if lora_slots is None:
+        return ys
+    return tuple(y if lp.get(f"lora_a_{n}") is None
+                 else y + lora_delta(h, lp[f"lora_a_{n}"], lp[f"lora_b_{n}"], lora_slots)
+                 for n, y in zip(names, ys))
 
 
 def write_slot(pool: "list[dict] | dict", new: dict, slot: jax.Array) -> "list[dict] | dict":

@@ -6,8 +6,11 @@ over XLA's intra-op pool and the calling thread. Two layouts:
   - "nk": W f32[N, K], y = x @ W^T (the tied LM head over the embedding [V, E]);
   - "kn": W f32[K, N], y = x @ W (the layers' canonical matrices, at up to
     `linear.FLOAT_NATIVE_MAX_ROWS` rows).
+`fmatmul_many` runs several "kn" products of one x in one call (q, k and v; gate and up):
+one wake-up of the pool for all of them, the same bits as one call each.
 Built and cached like the decode-attention kernel (`jaxserve.attention.native_cpu
-.NativeKernels`), registered as `jaxserve_fmatmul_nk` / `jaxserve_fmatmul_kn` for CPU.
+.NativeKernels`), registered as `jaxserve_fmatmul_nk` / `jaxserve_fmatmul_kn` /
+`jaxserve_fmatmul_kn_many` for CPU.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from jaxserve.attention.native_cpu import NativeKernels
 
 TARGETS = {"nk": "jaxserve_fmatmul_nk", "kn": "jaxserve_fmatmul_kn"}
 _SYMBOLS = {"nk": "JaxserveFMatmulNK", "kn": "JaxserveFMatmulKN"}
+MANY_TARGET = "jaxserve_fmatmul_kn_many"
+MAX_PRODUCTS = 4  # fmatmul.cc kMaxProducts
 _SRC = Path(__file__).with_name("native") / "fmatmul.cc"
-_KERNELS = NativeKernels(_SRC, "fmatmul", {TARGETS[k]: _SYMBOLS[k] for k in TARGETS},
+_KERNELS = NativeKernels(_SRC, "fmatmul", {**{TARGETS[k]: _SYMBOLS[k] for k in TARGETS},
+                                           MANY_TARGET: "JaxserveFMatmulKNMany"},
                          "native CPU float matmul")
 available, status = _KERNELS.available, _KERNELS.status  # build + register; cache-key part
 
@@ -68,3 +74,32 @@ def fmatmul(x: jax.Array, w: jax.Array, *, layout: str) -> jax.Array:
                            f"{_KERNELS.unavailable_reason()}")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[n_axis]), jnp.float32)
     return jax.ffi.ffi_call(TARGETS[layout], out)(x.astype(jnp.float32), w)
+
+
+def fmatmul_many(x: jax.Array, ws: "tuple[jax.Array, ...] | list[jax.Array]"
+                 ) -> tuple[jax.Array, ...]:
+    """(x @ w for w in ws) in one call of the "kn" kernel: y_j f32[M, N_j] from x [M, K]
+    (any float dtype, computed in f32) and f32 weights w_j [K, N_j]. Each product is split
+    along K exactly as `fmatmul(x, w, layout="kn")` splits it, so its bits are the same;
+    the tasks of all of them share one wake-up of XLA's intra-op pool (for SmolLM2's
+    442 KB k and v, which alone run on the calling thread, and the 7 calls a layer that
+    become 4).
+
+    Raises:
+      ValueError: no weight or more than MAX_PRODUCTS, a weight not 2-D f32, or one whose
+        K differs from x's.
+      RuntimeError: `available()` is False.
+    """
+    ws = tuple(ws)
+    if not 1 <= len(ws) <= MAX_PRODUCTS or x.ndim != 2:
+        raise ValueError(f"fmatmul_many needs x [M, K] and 1..{MAX_PRODUCTS} weights, got "
+                         f"{x.shape=} and {len(ws)} weights")
+    for w in ws:
+        if w.ndim != 2 or w.dtype != jnp.float32 or w.shape[0] != x.shape[1]:
+            raise ValueError(f"fmatmul_many: {x.shape=} needs f32 weights [{x.shape[1]}, N], "
+                             f"got {w.shape=} {w.dtype=}")
+    if not available():
+        raise RuntimeError(f"native CPU float matmul unavailable: "
+                           f"{_KERNELS.unavailable_reason()}")
+    outs = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in ws)
+    return tuple(jax.ffi.ffi_call(MANY_TARGET, outs)(x.astype(jnp.float32), *ws))

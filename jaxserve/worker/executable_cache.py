@@ -160,7 +160,8 @@ def _static_parts() -> dict:
 
     parts["native_cpu_qmatmul"] = native_qmatmul.status()
     parts["native_cpu_fmatmul"] = (f"{native_fmatmul.status()} head<={linear.HEAD_NATIVE_MAX_ROWS}"
-                                   f" layers<={linear.FLOAT_NATIVE_MAX_ROWS}")
+                                   f" layers<={linear.FLOAT_NATIVE_MAX_ROWS}"
+                                   f" many={linear.FLOAT_NATIVE_MANY}")
     return parts
 
 

@@ -1,6 +1,7 @@
 """The native CPU float matmul (issue 26 item 3, `native_fmatmul`): both layouts against a
 float64 NumPy product on odd shapes (the "kn" one serial and threaded), the routing in
-`linear` (tied head and layers at <= 8 rows), and
+`linear` (tied head and layers at <= 8 rows), several products of one x in one call
+(`fmatmul_many`, the same bits as one call each), and
 that the executable cache keys on the kernel and its thresholds."""
 
 from __future__ import annotations
@@ -92,6 +93,46 @@ def test_fmatmul_kn_past_the_scratch_cap_keeps_every_row_of_w():
         np.testing.assert_array_equal(got[i], np.asarray(fn(x[i:i + 1], w))[0])
 
 
+def test_fmatmul_many_equals_one_call_each(kn_threads):
+    """Several "kn" products of one x in one call (`fmatmul_many`: q, k, v; gate, up): each
+    the same bits as its own `fmatmul` call (serial or threaded, whatever the other weights
+    are), within 1e-5 of float64, at M = 1-9; past the scratch cap too (one by one)."""
+    rng = np.random.default_rng(13)
+    k = 200  # 4 tasks along K, the last of 8 rows
+    ws = [rng.standard_normal((k, n)).astype(np.float32) for n in (67, 13, 131, 1)]
+    one = jax.jit(lambda x, w: native_fmatmul.fmatmul(x, w, layout="kn"))
+    many = jax.jit(native_fmatmul.fmatmul_many)
+    for m in (1, 2, 3, 4, 5, 8, 9):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        for group in (ws[:2], ws[1:], ws):
+            got = many(x, group)
+            assert len(got) == len(group)
+            for w, y in zip(group, got):
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(one(x, w)))
+                want = x.astype(np.float64) @ w
+                np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5,
+                                           atol=1e-5 * np.abs(want).max())
+    m, k = 420, 6720  # 73 MB of partials for the pair: both run one by one
+    big = [rng.standard_normal((k, n)).astype(np.float32) for n in (300, 120)]
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    for w, y in zip(big, many(x, big)):
+        np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
+        np.testing.assert_array_equal(np.asarray(y)[7], np.asarray(one(x[7:8], w))[0])
+
+
+def test_fmatmul_many_rejects_bad_input():
+    x = jnp.zeros((2, 8), jnp.float32)
+    w = jnp.zeros((8, 4), jnp.float32)
+    with pytest.raises(ValueError, match="1..4 weights"):
+        native_fmatmul.fmatmul_many(x, [w] * 5)
+    with pytest.raises(ValueError, match="1..4 weights"):
+        native_fmatmul.fmatmul_many(x, [])
+    with pytest.raises(ValueError, match=r"f32 weights \[8, N\]"):
+        native_fmatmul.fmatmul_many(x, [w, jnp.zeros((9, 4), jnp.float32)])
+    with pytest.raises(ValueError, match="f32 weights"):
+        native_fmatmul.fmatmul_many(x, [w.astype(jnp.bfloat16)])
+
+
 def test_fmatmul_rejects_bad_shapes():
     x = jnp.zeros((2, 8), jnp.float32)
     with pytest.raises(ValueError, match="layout="):
@@ -129,8 +170,16 @@ def test_routing_tied_head_and_layers(monkeypatch):
                                atol=1e-5)
     x9 = rng.standard_normal((9, 48)).astype(np.float32)
     assert "jaxserve_fmatmul" not in _targets(linear.linear, x9, w)
+    # several products of one x: one kn_many call up to 8 rows, XLA's dots past it
+    w2 = rng.standard_normal((48, 7)).astype(np.float32)
+    many = lambda a, b, c: linear.linear_many(a, (b, c))  # noqa: E731
+    assert "jaxserve_fmatmul_kn_many" in _targets(many, x, w, w2)
+    for y, ww in zip(jax.jit(many)(x, w, w2), (w, w2)):
+        np.testing.assert_allclose(np.asarray(y), x @ ww, rtol=1e-5, atol=1e-5)
+    assert "jaxserve_fmatmul" not in _targets(many, x9, w, w2)
     monkeypatch.setattr(linear, "FLOAT_NATIVE_MAX_ROWS", 0)
     assert "jaxserve_fmatmul" not in _targets(linear.linear, x, w)
+    assert "jaxserve_fmatmul" not in _targets(many, x, w, w2)
 
 
 def test_executable_cache_keys_on_the_kernel_and_thresholds(monkeypatch):

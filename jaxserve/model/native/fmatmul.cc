@@ -32,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <new>
+#include <optional>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -59,27 +60,49 @@ constexpr int64_t kKNMaxScratchBytes = int64_t{64} << 20;
 constexpr int64_t kKNSerialBytes = int64_t{1} << 19;
 std::atomic<int64_t> g_kn_serial_bytes{kKNSerialBytes};
 
+// One product: y = x @ W (kn) or x @ W^T (nk), in n_tasks tasks (see the top).
 struct Work {
-  int64_t M, N, K;
-  bool kn;
-  const float* x;
-  const float* w;
-  float* y;
+  int64_t M = 0, N = 0, K = 0;
+  bool kn = false;
+  const float* x = nullptr;
+  const float* w = nullptr;
+  float* y = nullptr;
   float* part = nullptr;  // kn: [n_tasks - 1, M, N] partial products of tasks 1..
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t n_tasks;
+  int64_t n_tasks = 0;
 
   void RunNK(int64_t n0, int64_t n1);
   void RunKN(int64_t k0, int64_t k1, float* out);
+  void RunTask(int64_t t) {
+    if (kn) {
+      RunKN(t * kKRowsPerTask, std::min(K, (t + 1) * kKRowsPerTask),
+            t == 0 ? y : part + (t - 1) * M * N);
+    } else {
+      RunNK(t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask));
+    }
+  }
+  void SumPartials() {  // kn: y = task 0's partial + the others', in task order
+    for (int64_t t = 1; t < n_tasks; ++t) {
+      const float* p = part + (t - 1) * M * N;
+      for (int64_t i = 0; i < M * N; ++i) y[i] += p[i];
+    }
+  }
+};
+
+// The tasks of up to kMaxProducts products of one x (q, k and v; gate and up), claimed in
+// order by the caller and the pool's helpers: one wake-up of the pool for all of them.
+constexpr int kMaxProducts = 4;
+struct Job {
+  Work work[kMaxProducts];
+  int64_t first[kMaxProducts + 1] = {0};  // product j owns tasks [first[j], first[j + 1])
+  int n = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
   void Drain() {
-    for (int64_t t = next.fetch_add(1); t < n_tasks; t = next.fetch_add(1)) {
-      if (kn) {
-        RunKN(t * kKRowsPerTask, std::min(K, (t + 1) * kKRowsPerTask),
-              t == 0 ? y : part + (t - 1) * M * N);
-      } else {
-        RunNK(t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask));
-      }
+    for (int64_t t = next.fetch_add(1); t < first[n]; t = next.fetch_add(1)) {
+      int j = 0;
+      while (t >= first[j + 1]) ++j;
+      work[j].RunTask(t - first[j]);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -226,74 +249,125 @@ void Work::RunNK(int64_t n0, int64_t n1) {
 void Work::RunKN(int64_t k0, int64_t k1, float* out) { KNScalar(*this, k0, k1, out); }
 #endif
 
-ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x,
-               ffi::Buffer<ffi::F32>& w, ffi::ResultBuffer<ffi::F32>& y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "fmatmul: x, w and y must be 2-D");
+ffi::Error ShapeError(bool kn, int64_t M, int64_t K, const ffi::Span<const int64_t>& wd) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string("fmatmul_") + (kn ? "kn" : "nk") +
+                        ": shapes do not agree (x [" + std::to_string(M) + ", " +
+                        std::to_string(K) + "], w [" +
+                        (wd.size() == 2 ? std::to_string(wd[0]) + ", " + std::to_string(wd[1])
+                                        : std::to_string(wd.size()) + "-D") + "])");
+}
+
+// y_j = x @ W_j for the n weights and results given (n <= kMaxProducts; the kn layout when
+// n > 1), each product split exactly as it would be alone, so the same bits.
+ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x, int n,
+               ffi::Buffer<ffi::F32>* const* ws, ffi::ResultBuffer<ffi::F32>* const* ys) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "fmatmul: x must be 2-D");
   }
-  const int64_t M = xd[0], K = xd[1], N = kn ? wd[1] : wd[0];
-  if ((kn ? wd[0] : wd[1]) != K || yd[0] != M || yd[1] != N) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      std::string("fmatmul_") + (kn ? "kn" : "nk") +
-                          ": shapes do not agree (x [" + std::to_string(M) + ", " +
-                          std::to_string(K) + "], w [" + std::to_string(wd[0]) + ", " +
-                          std::to_string(wd[1]) + "])");
+  const int64_t M = xd[0], K = xd[1];
+  auto job = std::make_shared<Job>();
+  job->n = n;
+  int64_t scratch_floats = 0, weight_bytes = 0;
+  for (int j = 0; j < n; ++j) {
+    auto wd = ws[j]->dimensions(), yd = (*ys[j])->dimensions();
+    if (wd.size() != 2 || yd.size() != 2 || (kn ? wd[0] : wd[1]) != K) return ShapeError(kn, M, K, wd);
+    const int64_t N = kn ? wd[1] : wd[0];
+    if (yd[0] != M || yd[1] != N) return ShapeError(kn, M, K, wd);
+    Work& w = job->work[j];
+    w.M = M, w.N = N, w.K = K, w.kn = kn;
+    w.x = x.typed_data(), w.w = ws[j]->typed_data(), w.y = (*ys[j])->typed_data();
+    w.n_tasks = kn ? std::max<int64_t>(1, (K + kKRowsPerTask - 1) / kKRowsPerTask)
+                   : (N + kRowsPerTask - 1) / kRowsPerTask;
+    job->first[j + 1] = job->first[j] + w.n_tasks;
+    if (kn) scratch_floats += (w.n_tasks - 1) * M * N;
+    weight_bytes += K * N * 4;
   }
-  auto work = std::make_shared<Work>();
-  work->M = M, work->N = N, work->K = K, work->kn = kn;
-  work->x = x.typed_data(), work->w = w.typed_data(), work->y = y->typed_data();
-  work->n_tasks = kn ? std::max<int64_t>(1, (K + kKRowsPerTask - 1) / kKRowsPerTask)
-                     : (N + kRowsPerTask - 1) / kRowsPerTask;
-  // Past kKNMaxScratchBytes of partials (many rows of x, a large weight), the tasks run one
-  // after another on the caller through one [M, N] buffer: the same sums in the same order.
-  const bool one_by_one = kn && (work->n_tasks - 1) * M * N * 4 > kKNMaxScratchBytes;
+  // Past kKNMaxScratchBytes of partials (many rows of x, a large weight), each product's
+  // tasks run one after another on the caller through one [M, N] buffer: the same sums in
+  // the same order.
+  const bool one_by_one = kn && scratch_floats * 4 > kKNMaxScratchBytes;
   thread_local std::vector<float> scratch;  // the caller's; helpers write it while it waits
-  if (kn && work->n_tasks > 1) {
-    const size_t need = static_cast<size_t>((one_by_one ? 1 : work->n_tasks - 1) * M * N);
+  if (scratch_floats > 0) {
+    int64_t widest = 0;
+    for (int j = 0; j < n; ++j) widest = std::max(widest, M * job->work[j].N);
+    const size_t need = static_cast<size_t>(one_by_one ? widest : scratch_floats);
     try {
       if (scratch.size() < need) scratch.resize(need);
     } catch (const std::bad_alloc&) {
       return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                         "fmatmul_kn: no memory for " + std::to_string(need) + " partial sums");
     }
-    work->part = scratch.data();
+    float* part = scratch.data();
+    for (int j = 0; j < n && !one_by_one; ++j) {
+      job->work[j].part = part;
+      part += (job->work[j].n_tasks - 1) * M * job->work[j].N;
+    }
   }
   if (one_by_one) {
-    float* yd = work->y;
-    work->RunKN(0, std::min(K, kKRowsPerTask), yd);
-    for (int64_t t = 1; t < work->n_tasks; ++t) {
-      work->RunKN(t * kKRowsPerTask, std::min(K, (t + 1) * kKRowsPerTask), work->part);
-      for (int64_t i = 0; i < M * N; ++i) yd[i] += work->part[i];
+    for (int j = 0; j < n; ++j) {
+      Work& w = job->work[j];
+      w.RunKN(0, std::min(K, kKRowsPerTask), w.y);
+      for (int64_t t = 1; t < w.n_tasks; ++t) {
+        w.RunKN(t * kKRowsPerTask, std::min(K, (t + 1) * kKRowsPerTask), scratch.data());
+        for (int64_t i = 0; i < M * w.N; ++i) w.y[i] += scratch[i];
+      }
     }
     return ffi::Error::Success();
   }
-  const bool serial = kn && K * N * 4 < g_kn_serial_bytes.load(std::memory_order_relaxed);
+  const bool serial = kn && weight_bytes < g_kn_serial_bytes.load(std::memory_order_relaxed);
   // Never more threads than cores: the caller is itself one of XLA's threads.
   static const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
   const int64_t helpers = serial ? 0 :
-      std::min<int64_t>({pool.num_threads(), cores - 1, work->n_tasks - 1});
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work]() { work->Drain(); });
-  work->Drain();
-  while (work->done.load(std::memory_order_acquire) < work->n_tasks) std::this_thread::yield();
-  if (kn) {  // y = task 0's partial + the others', in task order
-    float* yd = work->y;
-    for (int64_t t = 1; t < work->n_tasks; ++t) {
-      const float* p = work->part + (t - 1) * M * N;
-      for (int64_t i = 0; i < M * N; ++i) yd[i] += p[i];
-    }
+      std::min<int64_t>({pool.num_threads(), cores - 1, job->first[n] - 1});
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job]() { job->Drain(); });
+  job->Drain();
+  while (job->done.load(std::memory_order_acquire) < job->first[n]) std::this_thread::yield();
+  if (kn) {
+    for (int j = 0; j < n; ++j) job->work[j].SumPartials();
   }
   return ffi::Error::Success();
 }
 
 ffi::Error NKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                   ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, false, x, w, y);
+  ffi::Buffer<ffi::F32>* ws[] = {&w};
+  ffi::ResultBuffer<ffi::F32>* ys[] = {&y};
+  return Run(pool, false, x, 1, ws, ys);
 }
 
 ffi::Error KNImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                   ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, true, x, w, y);
+  ffi::Buffer<ffi::F32>* ws[] = {&w};
+  ffi::ResultBuffer<ffi::F32>* ys[] = {&y};
+  return Run(pool, true, x, 1, ws, ys);
+}
+
+// kn over several weights of one x: the remaining arguments are W_j f32[K, N_j], the
+// results y_j f32[M, N_j], as many of each (1..kMaxProducts).
+ffi::Error KNManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                      ffi::RemainingRets rets) {
+  const size_t n = args.size();
+  if (n < 1 || n > kMaxProducts || rets.size() != n) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "fmatmul_kn_many: needs 1.." + std::to_string(kMaxProducts) +
+                          " weights and as many results, got " + std::to_string(n) + " and " +
+                          std::to_string(rets.size()));
+  }
+  std::optional<ffi::Buffer<ffi::F32>> w[kMaxProducts];
+  std::optional<ffi::ResultBuffer<ffi::F32>> y[kMaxProducts];
+  ffi::Buffer<ffi::F32>* ws[kMaxProducts];
+  ffi::ResultBuffer<ffi::F32>* ys[kMaxProducts];
+  for (size_t j = 0; j < n; ++j) {
+    auto wj = args.get<ffi::Buffer<ffi::F32>>(j);
+    if (wj.has_error()) return wj.error();
+    auto yj = rets.get<ffi::Buffer<ffi::F32>>(j);
+    if (yj.has_error()) return yj.error();
+    w[j].emplace(*wj), y[j].emplace(*yj);
+    ws[j] = &*w[j], ys[j] = &*y[j];
+  }
+  return Run(pool, true, x, static_cast<int>(n), ws, ys);
 }
 
 }  // namespace
@@ -311,6 +385,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFMatmulKN, KNImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFMatmulKNMany, KNManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .RemainingArgs()  // W_j [K, N_j]
+                                  .RemainingRets());  // y_j [M, N_j]
 
 // kn products of fewer weight bytes than this run on the calling thread alone (default
 // kKNSerialBytes); settable so measurements compare both in one process.
