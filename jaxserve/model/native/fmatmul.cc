@@ -14,6 +14,10 @@
 //       output's sum on its own row of x, so the result is the same whichever threads ran
 //       the tasks and whatever M is (batch-invariant; the engine sends up to
 //       linear.FLOAT_NATIVE_MAX_ROWS rows here, XLA the rest).
+//   kn_many (jaxserve_fmatmul_kn_many): up to kMaxProducts kn products of one x (a layer's
+//       q, k, v; gate, up) in one call: their tasks are claimed from one list (one wake-up
+//       of the pool; small weights such as k and v share the threads) and each product is
+//       split and summed exactly as alone, so the same bits as one call each.
 //
 // Why: XLA:CPU runs a one-row dot at 13-19 GB/s of weight (a single-threaded loop for
 // M = 1) and a 4-8-row one at 10-11 GB/s; these kernels split the weight over XLA's
