@@ -142,8 +142,9 @@ def linear_many(x: jax.Array, ws) -> tuple[jax.Array, ...]:
     """(linear(x, w) for w in ws), e.g. q, k and v of one normed x. Float weights that would
     each take the native "kn" kernel (CPU, M <= FLOAT_NATIVE_MAX_ROWS) take it in one call
     (`native_fmatmul.fmatmul_many`: one wake-up of the pool, the same bits as one call each;
-    the weights stay separate leaves, so XLA's dots above that many rows are untouched);
-    anything else is one `linear` each."""
+    the weights stay separate leaves, so XLA's dots above that many rows are untouched).
+    Otherwise, i.e. if any weight would not (quantized, bf16, more rows), every
+    weight goes through `linear` on its own."""
     ws = tuple(ws)
     if (not FLOAT_NATIVE_MANY or len(ws) < 2 or len(ws) > native_fmatmul.MAX_PRODUCTS
             or not all(isinstance(w, jax.Array) and _native_float_fits(x, w, FLOAT_NATIVE_MAX_ROWS)

@@ -112,12 +112,18 @@ def test_fmatmul_many_equals_one_call_each(kn_threads):
                 want = x.astype(np.float64) @ w
                 np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5,
                                            atol=1e-5 * np.abs(want).max())
-    m, k = 420, 6720  # 73 MB of partials for the pair: both run one by one
-    big = [rng.standard_normal((k, n)).astype(np.float32) for n in (300, 120)]
+    # Past the 64 MiB cap of partials together: one call each, as alone. N = 120 and 300
+    # (21 and 52 MB) are each under it (threaded); N = 420 (73 MB) alone runs one by one,
+    # here after a narrower product (its buffer sized by its own width).
+    m, k = 420, 6720
+    big = {n: rng.standard_normal((k, n)).astype(np.float32) for n in (120, 300, 420)}
     x = rng.standard_normal((m, k)).astype(np.float32)
-    for w, y in zip(big, many(x, big)):
-        np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
-        np.testing.assert_array_equal(np.asarray(y)[7], np.asarray(one(x[7:8], w))[0])
+    for group in ((120, 420), (300, 120)):
+        ws_big = [big[n] for n in group]
+        for w, y in zip(ws_big, many(x, ws_big)):
+            np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4,
+                                       atol=1e-3)
+            np.testing.assert_array_equal(np.asarray(y)[7], np.asarray(one(x[7:8], w))[0])
 
 
 def test_fmatmul_many_rejects_bad_input():
@@ -177,6 +183,10 @@ def test_routing_tied_head_and_layers(monkeypatch):
     for y, ww in zip(jax.jit(many)(x, w, w2), (w, w2)):
         np.testing.assert_allclose(np.asarray(y), x @ ww, rtol=1e-5, atol=1e-5)
     assert "jaxserve_fmatmul" not in _targets(many, x9, w, w2)
+    # lowered for a GPU: XLA's dots, in the weights' order
+    cuda = jax.jit(lambda *a: many(*a)).trace(x, w, w2).lower(lowering_platforms=("cuda",))
+    assert "jaxserve_fmatmul" not in cuda.as_text()
+    assert [o.shape for o in cuda.out_info] == [(8, 30), (8, 7)]
     monkeypatch.setattr(linear, "FLOAT_NATIVE_MAX_ROWS", 0)
     assert "jaxserve_fmatmul" not in _targets(linear.linear, x, w)
     assert "jaxserve_fmatmul" not in _targets(many, x, w, w2)
@@ -188,4 +198,8 @@ def test_executable_cache_keys_on_the_kernel_and_thresholds(monkeypatch):
     before = executable_cache._static_parts()["native_cpu_fmatmul"]
     assert native_fmatmul.status() in before
     monkeypatch.setattr(linear, "HEAD_NATIVE_MAX_ROWS", 0)
+    assert executable_cache._static_parts()["native_cpu_fmatmul"] != before
+    monkeypatch.setattr(linear, "HEAD_NATIVE_MAX_ROWS", 8)
+    assert executable_cache._static_parts()["native_cpu_fmatmul"] == before
+    monkeypatch.setattr(linear, "FLOAT_NATIVE_MANY", False)
     assert executable_cache._static_parts()["native_cpu_fmatmul"] != before

@@ -253,19 +253,24 @@ void Work::RunNK(int64_t n0, int64_t n1) {
 void Work::RunKN(int64_t k0, int64_t k1, float* out) { KNScalar(*this, k0, k1, out); }
 #endif
 
-ffi::Error ShapeError(bool kn, int64_t M, int64_t K, const ffi::Span<const int64_t>& wd) {
+std::string Dims(const ffi::Span<const int64_t>& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+ffi::Error ShapeError(const char* name, const ffi::Span<const int64_t>& xd,
+                      const ffi::Span<const int64_t>& wd, const ffi::Span<const int64_t>& yd) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                    std::string("fmatmul_") + (kn ? "kn" : "nk") +
-                        ": shapes do not agree (x [" + std::to_string(M) + ", " +
-                        std::to_string(K) + "], w [" +
-                        (wd.size() == 2 ? std::to_string(wd[0]) + ", " + std::to_string(wd[1])
-                                        : std::to_string(wd.size()) + "-D") + "])");
+                    std::string(name) + ": shapes do not agree (x " + Dims(xd) + ", w " +
+                        Dims(wd) + ", y " + Dims(yd) + ")");
 }
 
 // y_j = x @ W_j for the n weights and results given (n <= kMaxProducts; the kn layout when
 // n > 1), each product split exactly as it would be alone, so the same bits.
 ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x, int n,
                ffi::Buffer<ffi::F32>* const* ws, ffi::ResultBuffer<ffi::F32>* const* ys) {
+  const char* name = n > 1 ? "fmatmul_kn_many" : kn ? "fmatmul_kn" : "fmatmul_nk";
   auto xd = x.dimensions();
   if (xd.size() != 2) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "fmatmul: x must be 2-D");
@@ -276,9 +281,11 @@ ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x, int n,
   int64_t scratch_floats = 0, weight_bytes = 0;
   for (int j = 0; j < n; ++j) {
     auto wd = ws[j]->dimensions(), yd = (*ys[j])->dimensions();
-    if (wd.size() != 2 || yd.size() != 2 || (kn ? wd[0] : wd[1]) != K) return ShapeError(kn, M, K, wd);
+    if (wd.size() != 2 || yd.size() != 2 || (kn ? wd[0] : wd[1]) != K ||
+        yd[0] != M || yd[1] != (kn ? wd[1] : wd[0])) {
+      return ShapeError(name, xd, wd, yd);
+    }
     const int64_t N = kn ? wd[1] : wd[0];
-    if (yd[0] != M || yd[1] != N) return ShapeError(kn, M, K, wd);
     Work& w = job->work[j];
     w.M = M, w.N = N, w.K = K, w.kn = kn;
     w.x = x.typed_data(), w.w = ws[j]->typed_data(), w.y = (*ys[j])->typed_data();
@@ -288,15 +295,22 @@ ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x, int n,
     if (kn) scratch_floats += (w.n_tasks - 1) * M * N;
     weight_bytes += K * N * 4;
   }
-  // Past kKNMaxScratchBytes of partials (many rows of x, a large weight), each product's
-  // tasks run one after another on the caller through one [M, N] buffer: the same sums in
+  // Several products past kKNMaxScratchBytes of partials together: one call each, as alone
+  // (each threaded unless it alone passes the cap); the same bits.
+  if (n > 1 && kn && scratch_floats * 4 > kKNMaxScratchBytes) {
+    for (int j = 0; j < n; ++j) {
+      ffi::Error e = Run(pool, kn, x, 1, ws + j, ys + j);
+      if (e.failure()) return e;
+    }
+    return ffi::Error::Success();
+  }
+  // One product past kKNMaxScratchBytes of partials (many rows of x, a large weight): its
+  // tasks run one after another on the caller through one [M, N] buffer, the same sums in
   // the same order.
   const bool one_by_one = kn && scratch_floats * 4 > kKNMaxScratchBytes;
   thread_local std::vector<float> scratch;  // the caller's; helpers write it while it waits
   if (scratch_floats > 0) {
-    int64_t widest = 0;
-    for (int j = 0; j < n; ++j) widest = std::max(widest, M * job->work[j].N);
-    const size_t need = static_cast<size_t>(one_by_one ? widest : scratch_floats);
+    const size_t need = static_cast<size_t>(one_by_one ? M * job->work[0].N : scratch_floats);
     try {
       if (scratch.size() < need) scratch.resize(need);
     } catch (const std::bad_alloc&) {
@@ -310,13 +324,11 @@ ffi::Error Run(ffi::ThreadPool& pool, bool kn, ffi::Buffer<ffi::F32>& x, int n,
     }
   }
   if (one_by_one) {
-    for (int j = 0; j < n; ++j) {
-      Work& w = job->work[j];
-      w.RunKN(0, std::min(K, kKRowsPerTask), w.y);
-      for (int64_t t = 1; t < w.n_tasks; ++t) {
-        w.RunKN(t * kKRowsPerTask, std::min(K, (t + 1) * kKRowsPerTask), scratch.data());
-        for (int64_t i = 0; i < M * w.N; ++i) w.y[i] += scratch[i];
-      }
+    Work& w = job->work[0];
+    w.RunKN(0, std::min(K, kKRowsPerTask), w.y);
+    for (int64_t t = 1; t < w.n_tasks; ++t) {
+      w.RunKN(t * kKRowsPerTask, std::min(K, (t + 1) * kKRowsPerTask), scratch.data());
+      for (int64_t i = 0; i < M * w.N; ++i) w.y[i] += scratch[i];
     }
     return ffi::Error::Success();
   }
