@@ -63,11 +63,7 @@ def project(h: jax.Array, lp: dict, name: str, lora_slots: jax.Array | None) -> 
     """h [T, in] @ lp[name] [in, out] (float or quantized: `model.linear`), plus the LoRA
     delta when the layer carries a pool (`lora_a_<name>`) and the step gives per-token
     slots; over quantized base weights the delta adds all the same."""
-    y = linear(h, lp[name])
-    a = lp.get(f"lora_a_{name}")
-    if a is None or lora_slots is None:
-        return y
-    return y + lora_delta(h, a, lp[f"lora_b_{name}"], lora_slots)
+    return _plus_delta(linear(h, lp[name]), h, lp, name, lora_slots)
 
 
 def project_many(h: jax.Array, lp: dict, names: "tuple[str, ...]",
@@ -75,11 +71,17 @@ def project_many(h: jax.Array, lp: dict, names: "tuple[str, ...]",
     """(project(h, lp, n, lora_slots) for n in names), the products in one call where
     `linear_many` can (q, k and v; gate and up)."""
     ys = linear_many(h, [lp[n] for n in names])
-    if lora_slots is None:
-        return ys
-    return tuple(y if lp.get(f"lora_a_{n}") is None
-                 else y + lora_delta(h, lp[f"lora_a_{n}"], lp[f"lora_b_{n}"], lora_slots)
-                 for n, y in zip(names, ys))
+    return tuple(_plus_delta(y, h, lp, n, lora_slots) for n, y in zip(names, ys))
+
+
+def _plus_delta(y: jax.Array, h: jax.Array, lp: dict, name: str,
+                lora_slots: jax.Array | None) -> jax.Array:
+    """y plus the LoRA delta of lp[name] for h, when the layer carries a pool and the step
+    gives per-token slots; y itself otherwise."""
+    a = lp.get(f"lora_a_{name}")
+    if a is None or lora_slots is None:
+        return y
+    return y + lora_delta(h, a, lp[f"lora_b_{name}"], lora_slots)
 
 
 def write_slot(pool: "list[dict] | dict", new: dict, slot: jax.Array) -> "list[dict] | dict":

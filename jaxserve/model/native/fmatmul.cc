@@ -56,8 +56,9 @@ namespace {
 constexpr int64_t kRowsPerTask = 32;  // nk: output rows (= weight rows) per task
 constexpr int64_t kKRowsPerTask = 64;  // kn: rows of W (along K) per task
 constexpr int64_t kKChunk = 8;  // kn: rows of W summed in registers before adding into out
-// kn: at most this many bytes of partial products; past it (many rows of x, a large
-// weight) the tasks run one by one on the caller through one [M, N] buffer.
+// kn: at most this many bytes of partial products a call; past it (many rows of x, a large
+// weight) a product's tasks run one by one on the caller through one [M, N] buffer, and
+// several products that pass it only together run one call each.
 constexpr int64_t kKNMaxScratchBytes = int64_t{64} << 20;
 // kn products of fewer weight bytes than this run on the calling thread alone (waking the
 // pool costs more than it saves).
