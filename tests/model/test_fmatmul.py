@@ -75,6 +75,34 @@ def test_fmatmul_kn_threads_and_batch_do_not_change_bits():
     np.testing.assert_allclose(rows, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_fmatmul_stream_order_keeps_bits(layout):
+    """Reading W in memory order (`set_stream_order`, the default: "kn" at one row streams
+    W's rows through an L1 buffer in column passes of 2048; "nk" one row of W at a time)
+    gives the same bits as the register tiles alone, on widths past one pass (4103: two
+    full passes and an 8-column strip and a scalar tail) and below it, K with a short last
+    chunk (203 = 25 chunks of 8 and one of 3) and a one-row last chunk (201); and the
+    streamed result matches float64."""
+    fn = jax.jit(lambda x, w: native_fmatmul.fmatmul(x, w, layout=layout))
+    rng = np.random.default_rng(5)
+    try:
+        for n, k in ((4103, 203), (61, 201), (2048, 64), (5, 9)):
+            w_nk = rng.standard_normal((n, k)).astype(np.float32)
+            w = w_nk if layout == "nk" else np.ascontiguousarray(w_nk.T)
+            for m in (1, 2, 5):
+                x = rng.standard_normal((m, k)).astype(np.float32)
+                assert native_fmatmul.set_stream_order(False) is False
+                tiles = np.asarray(fn(x, w))
+                assert native_fmatmul.set_stream_order(True) is True
+                streamed = np.asarray(fn(x, w))
+                np.testing.assert_array_equal(streamed, tiles, err_msg=f"{n=} {k=} {m=}")
+                want = x.astype(np.float64) @ w_nk.astype(np.float64).T
+                np.testing.assert_allclose(streamed, want, rtol=1e-5,
+                                           atol=1e-5 * np.abs(want).max())
+    finally:
+        native_fmatmul.set_stream_order(True)
+
+
 def test_fmatmul_kn_past_the_scratch_cap_keeps_every_row_of_w():
     """Past 64 MiB of partial sums (here 104 tasks x [420, 420] = 73 MB) the K split's tasks
     run one by one through one buffer: all of K counted (the first version used only the

@@ -3,7 +3,8 @@
 //
 //   nk (jaxserve_fmatmul_nk): W f32[N, K], y = x @ W^T. The tied LM head reads the
 //       embedding [V, E] this way: each output is a dot product of contiguous rows.
-//       Register tiles of 4 weight rows x 1-2 rows of x, 8-wide FMA along K.
+//       Register tiles of 1 (up to kNKStreamMaxRows rows of x: one sequential stream) or
+//       4 weight rows x 1-2 rows of x, 8-wide FMA along K.
 //   kn (jaxserve_fmatmul_kn): W f32[K, N], y = x @ W (the layers' canonical matrices).
 //       Split along K: task c owns the contiguous rows [k0, k1) of W and writes the
 //       partial product x[:, k0:k1] @ W[k0:k1] into its own slice of a scratch buffer; the
@@ -11,9 +12,10 @@
 //       of kKChunk (kKChunk sequential streams), each chunk strip by strip along N (16
 //       columns) with x's rows four at a time, the 4 x 16 sums in registers and added
 //       into the partial rows once a chunk. The split depends on K alone and each
-//       output's sum on its own row of x, so the result is the same whichever threads ran
-//       the tasks and whatever M is (batch-invariant; the engine sends up to
-//       linear.FLOAT_NATIVE_MAX_ROWS rows here, XLA the rest).
+//       output's sum on its own row of x (at one row of x, KNOneRowStream reads W's rows
+//       in memory order through an L1 buffer: the same chains), so the result is the same
+//       whichever threads ran the tasks and whatever M is (batch-invariant; the engine
+//       sends up to linear.FLOAT_NATIVE_MAX_ROWS rows here, XLA the rest).
 //   kn_many (jaxserve_fmatmul_kn_many): up to kMaxProducts kn products of one x (a layer's
 //       q, k, v; gate, up) in one call: their tasks are claimed from one list (one wake-up
 //       of the pool; small weights such as k and v share the threads) and each product is
@@ -64,6 +66,13 @@ constexpr int64_t kKNMaxScratchBytes = int64_t{64} << 20;
 // pool costs more than it saves).
 constexpr int64_t kKNSerialBytes = int64_t{1} << 19;
 std::atomic<int64_t> g_kn_serial_bytes{kKNSerialBytes};
+// nk: rows of x up to which W is read one row at a time (see RunNK).
+constexpr int64_t kNKStreamMaxRows = 4;
+// kn at one row: columns of W's rows a stream pass covers (its chains wait in L1 between rows).
+constexpr int64_t kKNStreamCols = 2048;
+// Read W in memory order where the bits allow it (kn at one row, nk always); settable so
+// measurements compare both orders in one process (the results are the same bits).
+std::atomic<bool> g_stream_order{true};
 
 // One product: y = x @ W (kn) or x @ W^T (nk), in n_tasks tasks (see the top).
 struct Work {
@@ -184,7 +193,14 @@ void RowsNK(const Work& w, int64_t n0) {
 
 void Work::RunNK(int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) RowsNK<4>(*this, n);
+  // Up to kNKStreamMaxRows rows of x, one weight row at a time: the task's rows are one
+  // sequential stream (each tile reads its row once from memory, then from L1 for the
+  // other rows of x), 1.4x faster at one row than 4-row tiles, which read 4 interleaved
+  // streams (notes/issue26.md, sixteenth session); past it the 4-row tiles reuse each x
+  // load 4 times and win. The same chain per output either way, so the same bits.
+  if (M > kNKStreamMaxRows || !g_stream_order.load(std::memory_order_relaxed)) {
+    for (; n + 4 <= n1; n += 4) RowsNK<4>(*this, n);
+  }
   for (; n < n1; ++n) RowsNK<1>(*this, n);
 }
 
@@ -234,11 +250,62 @@ void KNRows(const Work& w, int64_t r0, int64_t k0, int64_t k1, float* out) {
   }
 }
 
+// One row of x: out[0, :] = x[0, k0:k1] @ W[k0:k1, :] with KNBlock<1, C>'s chains (each
+// output's fused multiply-add chain from zero over a chunk's rows, added into out), but
+// W's rows read in memory order, kKNStreamCols columns at a time: one sequential stream a
+// thread where the strips read kKChunk interleaved ones (~10% slower at one row on this
+// machine's prefetchers; notes/issue26.md, sixteenth session). The chains wait in an 8 KB
+// stack buffer (L1) between rows (a thread_local one cost a __tls_get_addr call a vector
+// in this shared library). The same bits as KNRows<1>.
+void KNOneRowStream(const Work& w, int64_t k0, int64_t k1, float* out) {
+  alignas(64) float acc[kKNStreamCols];
+  const int64_t N = w.N, n8 = N & ~int64_t{7};
+  const float* const x = w.x;
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t kc = k0; kc < k1; kc += kKChunk) {
+    const int64_t ke = std::min(k1, kc + kKChunk);
+    for (int64_t c0 = 0; c0 < n8; c0 += kKNStreamCols) {
+      const int64_t nc = std::min(n8, c0 + kKNStreamCols) - c0;
+      for (int64_t k = kc; k < ke; ++k) {
+        const __m256 b = _mm256_broadcast_ss(x + k);
+        const float* const wk = w.w + k * N + c0;
+        const bool first = k == kc, last = k == ke - 1;
+        if (first && last) {
+          for (int64_t c = 0; c < nc; c += 8) {
+            float* o = out + c0 + c;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o),
+                                              _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + c), zero)));
+          }
+        } else if (first) {
+          for (int64_t c = 0; c < nc; c += 8)
+            _mm256_store_ps(acc + c, _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + c), zero));
+        } else if (!last) {
+          for (int64_t c = 0; c < nc; c += 8)
+            _mm256_store_ps(acc + c,
+                            _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + c), _mm256_load_ps(acc + c)));
+        } else {
+          for (int64_t c = 0; c < nc; c += 8) {
+            float* o = out + c0 + c;
+            const __m256 a =
+                _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + c), _mm256_load_ps(acc + c));
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), a));
+          }
+        }
+      }
+    }
+    for (int64_t c = n8; c < N; ++c) out[c] += KNChain(w, 0, c, kc, ke);  // the scalar tail
+  }
+}
+
 // out[:, :] = x[:, k0:k1] @ W[k0:k1, :], x's rows four at a time (a block of 4 x 16
 // outputs fills 8 of the 16 AVX2 registers). Each output's sum is the same chain whatever
 // M is (batch-invariant), and the same bits as KNScalar.
 void Work::RunKN(int64_t k0, int64_t k1, float* out) {
   std::fill(out, out + M * N, 0.f);
+  if (M == 1 && g_stream_order.load(std::memory_order_relaxed)) {
+    KNOneRowStream(*this, k0, k1, out);
+    return;
+  }
   int64_t r = 0;
   for (; r + 4 <= M; r += 4) KNRows<4>(*this, r, k0, k1, out);
   if (M - r == 3) KNRows<3>(*this, r, k0, k1, out);
@@ -413,6 +480,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFMatmulKNMany, KNManyImpl,
 // kn products of fewer weight bytes than this run on the calling thread alone (default
 // kKNSerialBytes); settable so measurements compare both in one process.
 extern "C" int64_t JaxserveFMatmulKNSerialBytes() { return g_kn_serial_bytes.load(); }
+
+// Whether W is read in memory order (1, the default) or by the register tiles alone (0);
+// the same bits either way. Returns the setting in force.
+extern "C" int64_t JaxserveFMatmulSetStreamOrder(int64_t on) {
+  g_stream_order.store(on != 0);
+  return g_stream_order.load() ? 1 : 0;
+}
 
 extern "C" int64_t JaxserveFMatmulSetKNSerialBytes(int64_t bytes) {
   g_kn_serial_bytes.store(bytes < 0 ? 0 : bytes);
