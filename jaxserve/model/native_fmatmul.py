@@ -50,12 +50,14 @@ def set_kn_serial_bytes(nbytes: int) -> int:
 
 
 def set_stream_order(on: bool) -> bool:
-    """Whether the kernel reads W in memory order where the bits allow it (the default):
-    "kn" at one row of x streams W's rows one after another, "nk" takes W one row at a time
-    (one sequential stream a thread, where the register tiles read 8 or 4 interleaved ones;
-    ~10-30% faster on this machine's two cores at one row). Process-wide, for measurements
-    that compare both in one process; no recompile, and the results are the same bits
-    either way. Returns the setting in force (False when the kernel is unavailable)."""
+    """Whether the kernel reads W in the orders that stream it best (the default) or by
+    its register tiles alone (the kernel of the fifteenth session): "kn" at one row of x
+    streams W's rows one after another and at 5-8 rows reads each chunk of W once; "nk" up
+    to 4 rows takes W one row at a time (one sequential stream a thread, where the tiles
+    read 8 or 4 interleaved ones: ~10-30% faster on this machine's two cores at one row).
+    Process-wide, for measurements that compare both in one process; no recompile, and
+    the results are the same bits either way. Returns the setting in force (False when
+    the kernel is unavailable)."""
     return bool(_KERNELS.call_int64("JaxserveFMatmulSetStreamOrder", int(on)))
 
 

@@ -77,8 +77,9 @@ def test_fmatmul_kn_threads_and_batch_do_not_change_bits():
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_fmatmul_stream_order_keeps_bits(layout):
-    """Reading W in memory order (`set_stream_order`, the default: "kn" at one row streams
-    W's rows through an L1 buffer in column passes of 2048; "nk" one row of W at a time)
+    """Reading W in the streaming orders (`set_stream_order`, the default: "kn" at one row
+    streams W's rows through an L1 buffer in column passes of 2048, at 5-8 rows (and 13 =
+    8 + 5) one pass a chunk in 8-column strips; "nk" one row of W at a time up to 4 rows)
     gives the same bits as the register tiles alone, on widths past one pass (4103: two
     full passes and an 8-column strip and a scalar tail) and below it, K with a short last
     chunk (203 = 25 chunks of 8 and one of 3) and a one-row last chunk (201); and the
@@ -89,7 +90,7 @@ def test_fmatmul_stream_order_keeps_bits(layout):
         for n, k in ((4103, 203), (61, 201), (2048, 64), (5, 9)):
             w_nk = rng.standard_normal((n, k)).astype(np.float32)
             w = w_nk if layout == "nk" else np.ascontiguousarray(w_nk.T)
-            for m in (1, 2, 5):
+            for m in (1, 2, 5, 6, 7, 8, 13):
                 x = rng.standard_normal((m, k)).astype(np.float32)
                 assert native_fmatmul.set_stream_order(False) is False
                 tiles = np.asarray(fn(x, w))
