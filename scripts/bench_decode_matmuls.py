@@ -2,7 +2,7 @@
 
 Each product in a chain reads a different weight (dozens of them, more than the caches
 hold), so a product costs what it costs inside a step, not what a warm-cache loop says
-(`scripts/bench_qmatmul.py` times one weight again and again). Two tables, each variant
+(`scripts/bench_qmatmul.py` times one weight again and again). Three tables, each variant
 interleaved with the others in one process, medians of --reps:
 
   quant  the native quantized kernel's integer-dot path against its f32-activation
@@ -15,8 +15,12 @@ interleaved with the others in one process, medians of --reps:
   float  30 layers' worth of SmolLM2's fp32 matrices [K, N] (425 MB): XLA's dot against
          the native "kn" kernel serial, threaded, and as shipped
          (`native_fmatmul.set_kn_serial_bytes`). This chose `linear.FLOAT_NATIVE_MAX_ROWS`.
+  stream the fp32 kernel's streaming orders against its register tiles alone
+         (`native_fmatmul.set_stream_order`; the same bits): 30 layers' products as the
+         engine calls them and the tied fp32 head [49152, 576] at M rows (--stream_rows).
 
   PYTHONPATH=. .venv/bin/python scripts/bench_decode_matmuls.py --table=quant,float
+  PYTHONPATH=. .venv/bin/python scripts/bench_decode_matmuls.py --table=stream
 """
 
 from __future__ import annotations
@@ -118,12 +122,58 @@ def float_table(rows: list[int], reps: int) -> None:
         knob(before)
 
 
+def stream_table(rows: list[int], reps: int) -> None:
+    """The fp32 kernel's streaming orders (`native_fmatmul.set_stream_order`, the same
+    bits) against its register tiles alone: 30 layers' "kn" products as the engine calls
+    them (q, k, v and gate, up one call each, `fmatmul_many`) and the tied head [49152,
+    576] ("nk", three copies), threaded as shipped."""
+    rng = np.random.default_rng(0)
+    layers = [[jax.device_put(rng.standard_normal((k, n)).astype(np.float32) * 0.01)
+               for (n, k) in LAYER_SHAPES] for _ in range(30)]
+    heads = [jax.device_put(rng.standard_normal((49152, 576)).astype(np.float32) * 0.01)
+             for _ in range(3)]
+    lbytes = sum(w.nbytes for ws in layers for w in ws)
+
+    def stack(x, layers):
+        acc = jnp.zeros_like(x[:, :1])
+        for wq, wk, wv, wo, wg, wu, wd in layers:
+            q, k, v = native_fmatmul.fmatmul_many(x + acc, (wq, wk, wv))
+            o = native_fmatmul.fmatmul(q, wo, layout="kn")
+            acc = acc + (o[:, :1] + k[:, :1] + v[:, :1]) * 1e-9
+            g, u = native_fmatmul.fmatmul_many(x + acc, (wg, wu))
+            acc = acc + native_fmatmul.fmatmul(g * u, wd, layout="kn")[:, :1] * 1e-9
+        return acc
+
+    def head(x, heads):
+        return [native_fmatmul.fmatmul(x, h, layout="nk") for h in heads]
+
+    stack_jit, head_jit = jax.jit(stack), jax.jit(head)
+    on = native_fmatmul.set_stream_order
+    print(f"| M | layers tiles | layers streamed | ratio | head tiles | head streamed | ratio | "
+          f"(layers {lbytes / 1e6:.0f} MB, head {heads[0].nbytes / 1e6:.0f} MB; ms) |\n"
+          "|---|---|---|---|---|---|---|---|")
+    try:
+        for m in rows:
+            x = jax.device_put(rng.standard_normal((m, 576)).astype(np.float32))
+            t = _time({"lt": (lambda: on(False), lambda: stack_jit(x, layers)),
+                       "ls": (lambda: on(True), lambda: stack_jit(x, layers)),
+                       "ht": (lambda: on(False), lambda: head_jit(x, heads)),
+                       "hs": (lambda: on(True), lambda: head_jit(x, heads))}, reps)
+            lt, ls, ht, hs = (t[k] * 1e3 for k in ("lt", "ls", "ht", "hs"))
+            print(f"| {m} | {lt:.2f} ({lbytes / lt / 1e6:.1f} GB/s) | {ls:.2f} "
+                  f"({lbytes / ls / 1e6:.1f} GB/s) | {lt / ls:.2f}x | {ht / 3:.2f} | {hs / 3:.2f} "
+                  f"| {ht / hs:.2f}x | |", flush=True)
+    finally:
+        on(True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", default="quant,float")
     ap.add_argument("--quant_rows", default="1,2,4,8,16,32")
     ap.add_argument("--q8_head", action="store_true", help="also the tied Q8_0 head (~30 MB)")
     ap.add_argument("--float_rows", default="1,2,3,4")
+    ap.add_argument("--stream_rows", default="1,2,4,6,8")
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
     print("load average:", os.getloadavg())
@@ -134,6 +184,8 @@ def main() -> None:
         quant_table([int(r) for r in a.quant_rows.split(",")], a.reps, a.q8_head)
     if "float" in tables:
         float_table([int(r) for r in a.float_rows.split(",")], a.reps)
+    if "stream" in tables:
+        stream_table([int(r) for r in a.stream_rows.split(",")], a.reps)
 
 
 if __name__ == "__main__":
