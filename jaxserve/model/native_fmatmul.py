@@ -52,9 +52,10 @@ def set_kn_serial_bytes(nbytes: int) -> int:
 def set_stream_order(on: bool) -> bool:
     """Whether the kernel reads W in the orders that stream it best (the default) or by
     its register tiles alone (the kernel of the fifteenth session): "kn" at one row of x
-    streams W's rows one after another and at 5-8 rows reads each chunk of W once; "nk" up
-    to 4 rows takes W one row at a time (one sequential stream a thread, where the tiles
-    read 8 or 4 interleaved ones: ~10-30% faster on this machine's two cores at one row).
+    streams W's rows one after another and from 5 rows reads each chunk of W once (8 rows
+    at a time); "nk" up to 4 rows takes W one row at a time (one sequential stream a
+    thread, where the tiles read 8 or 4 interleaved ones; at one row on this machine's two
+    cores kn 1.07x, nk 1.3-1.4x, notes/issue26.md).
     Process-wide, for measurements that compare both in one process; no recompile, and
     the results are the same bits either way. Returns the setting in force (False when
     the kernel is unavailable)."""

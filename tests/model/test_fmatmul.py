@@ -52,7 +52,8 @@ def test_fmatmul_kn_threads_and_batch_do_not_change_bits():
     """The "kn" kernel's K split does not depend on the threads (serial and threaded give
     the same bits), and a row of y depends on its row of x alone: every row of an M-row
     product equals that row's one-row product bit for bit (batch-invariant, M = 1-9 and
-    16, i.e. rows in blocks of 4, 3, 2 and 1), on a width with 16-, 8- and 1-column strips."""
+    16: one row streamed, from 5 rows blocks of 8, 7, 6 and 5, below that of 4, 3, 2 and
+    1), on a width with 16-, 8- and 1-column strips."""
     rng = np.random.default_rng(11)
     w = rng.standard_normal((2000, 537)).astype(np.float32)  # 4 MB, 32 tasks: threaded
     x = rng.standard_normal((16, 2000)).astype(np.float32)
@@ -78,16 +79,17 @@ def test_fmatmul_kn_threads_and_batch_do_not_change_bits():
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_fmatmul_stream_order_keeps_bits(layout):
     """Reading W in the streaming orders (`set_stream_order`, the default: "kn" at one row
-    streams W's rows through an L1 buffer in column passes of 2048, at 5-8 rows (and 13 =
-    8 + 5) one pass a chunk in 8-column strips; "nk" one row of W at a time up to 4 rows)
-    gives the same bits as the register tiles alone, on widths past one pass (4103: two
-    full passes and an 8-column strip and a scalar tail) and below it, K with a short last
+    streams W's rows through an L1 buffer in column passes of 2048, from 5 rows (13 = 8 +
+    5) one pass a chunk in 8-column strips; "nk" one row of W at a time up to 4 rows)
+    gives the same bits as the register tiles alone, on widths past one pass (4111: two
+    full passes, a partial third of 8 columns (a 16-column tile strip and an 8-column one)
+    and a 7-column scalar tail) and below it, K with a short last
     chunk (203 = 25 chunks of 8 and one of 3) and a one-row last chunk (201); and the
     streamed result matches float64."""
     fn = jax.jit(lambda x, w: native_fmatmul.fmatmul(x, w, layout=layout))
     rng = np.random.default_rng(5)
     try:
-        for n, k in ((4103, 203), (61, 201), (2048, 64), (5, 9)):
+        for n, k in ((4111, 203), (61, 201), (2048, 64), (5, 9)):
             w_nk = rng.standard_normal((n, k)).astype(np.float32)
             w = w_nk if layout == "nk" else np.ascontiguousarray(w_nk.T)
             for m in (1, 2, 5, 6, 7, 8, 13):

@@ -9,9 +9,10 @@
 //       Split along K: task c owns the contiguous rows [k0, k1) of W and writes the
 //       partial product x[:, k0:k1] @ W[k0:k1] into its own slice of a scratch buffer; the
 //       caller then sums the partials in task order. Inside a task, W's rows go in chunks
-//       of kKChunk (kKChunk sequential streams), each chunk strip by strip along N (16
-//       columns) with x's rows four at a time, the 4 x 16 sums in registers and added
-//       into the partial rows once a chunk. The split depends on K alone and each
+//       of kKChunk (kKChunk sequential streams), each chunk strip by strip along N with
+//       x's rows four at a time in 16-column strips (the 4 x 16 sums in registers) or,
+//       from 5 rows, eight at a time (then 7, 6 or 5) in 8-column strips, added into the
+//       partial rows once a chunk. The split depends on K alone and each
 //       output's sum on its own row of x (at one row of x, KNOneRowStream reads W's rows
 //       in memory order through an L1 buffer: the same chains), so the result is the same
 //       whichever threads ran the tasks and whatever M is (batch-invariant; the engine
@@ -70,7 +71,7 @@ std::atomic<int64_t> g_kn_serial_bytes{kKNSerialBytes};
 constexpr int64_t kNKStreamMaxRows = 4;
 // kn at one row: columns of W's rows a stream pass covers (its chains wait in L1 between rows).
 constexpr int64_t kKNStreamCols = 2048;
-// Read W in the orders that stream it best (kn: at one row in memory order, at 5-8 rows in
+// Read W in the orders that stream it best (kn: at one row in memory order, from 5 rows in
 // one pass a chunk; nk: one weight row at a time up to kNKStreamMaxRows); settable so
 // measurements compare them with the register tiles alone in one process (the same bits).
 std::atomic<bool> g_stream_order{true};
@@ -196,7 +197,7 @@ void Work::RunNK(int64_t n0, int64_t n1) {
   int64_t n = n0;
   // Up to kNKStreamMaxRows rows of x, one weight row at a time: the task's rows are one
   // sequential stream (each tile reads its row once from memory, then from L1 for the
-  // other rows of x), 1.4x faster at one row than 4-row tiles, which read 4 interleaved
+  // other rows of x), 1.3-1.4x faster at one row than 4-row tiles, which read 4 interleaved
   // streams (notes/issue26.md, sixteenth session); past it the 4-row tiles reuse each x
   // load 4 times and win. The same chain per output either way, so the same bits.
   if (M > kNKStreamMaxRows || !g_stream_order.load(std::memory_order_relaxed)) {
@@ -298,9 +299,11 @@ void KNOneRowStream(const Work& w, int64_t k0, int64_t k1, float* out) {
   }
 }
 
-// out[:, :] = x[:, k0:k1] @ W[k0:k1, :], x's rows four at a time (a block of 4 x 16
-// outputs fills 8 of the 16 AVX2 registers). Each output's sum is the same chain whatever
-// M is (batch-invariant), and the same bits as KNScalar.
+// out[:, :] = x[:, k0:k1] @ W[k0:k1, :]: one row of x streamed (KNOneRowStream); from 5
+// rows eight at a time, then 7, 6 or 5, in 8-column strips; else four at a time (a block
+// of 4 x 16 outputs fills 8 of the 16 AVX2 registers) and the last 3, 2 or 1. Each
+// output's sum is the same chain whatever M is (batch-invariant), and the same bits as
+// KNScalar.
 void Work::RunKN(int64_t k0, int64_t k1, float* out) {
   std::fill(out, out + M * N, 0.f);
   if (M == 1 && g_stream_order.load(std::memory_order_relaxed)) {
@@ -308,9 +311,10 @@ void Work::RunKN(int64_t k0, int64_t k1, float* out) {
     return;
   }
   int64_t r = 0;
-  // 5-8 rows of x in one pass over each chunk, 8 columns a strip (MR + 1 registers): the
-  // chunk is read once instead of twice (4 + the rest); 1.03-1.11x at 6-8 rows on 30
-  // layers (notes/issue26.md, sixteenth session). The same chains, so the same bits.
+  // 5-8 rows of x in one pass over each chunk, 8 columns a strip (MR + 1 registers; past
+  // 8 rows, 8 at a time and then the rest): the chunk is read once instead of twice (4 +
+  // the rest); 1.03-1.11x at 6-8 rows on 30 layers (notes/issue26.md, sixteenth session).
+  // The same chains, so the same bits.
   if (g_stream_order.load(std::memory_order_relaxed)) {
     for (; r + 8 <= M; r += 8) KNRows<8, 1>(*this, r, k0, k1, out);
     if (M - r == 7) KNRows<7, 1>(*this, r, k0, k1, out), r += 7;
