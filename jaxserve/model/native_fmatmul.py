@@ -51,7 +51,7 @@ def set_kn_serial_bytes(nbytes: int) -> int:
 
 def set_stream_order(on: bool) -> bool:
     """Whether the kernel reads W in the orders that stream it best (the default) or by
-    its register tiles alone (the kernel of the fifteenth session): "kn" at one row of x
+    its register tiles alone (the order before them): "kn" at one row of x
     streams W's rows one after another and from 5 rows reads each chunk of W once (8 rows
     at a time); "nk" up to 4 rows takes W one row at a time (one sequential stream a
     thread, where the tiles read 8 or 4 interleaved ones; at one row on this machine's two

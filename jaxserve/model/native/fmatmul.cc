@@ -271,26 +271,16 @@ void KNOneRowStream(const Work& w, int64_t k0, int64_t k1, float* out) {
       for (int64_t k = kc; k < ke; ++k) {
         const __m256 b = _mm256_broadcast_ss(x + k);
         const float* const wk = w.w + k * N + c0;
+        // A chunk's first row starts each chain from zero; its last adds it into out.
         const bool first = k == kc, last = k == ke - 1;
-        if (first && last) {
-          for (int64_t c = 0; c < nc; c += 8) {
+        for (int64_t c = 0; c < nc; c += 8) {
+          const __m256 a = _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + c),
+                                           first ? zero : _mm256_load_ps(acc + c));
+          if (last) {
             float* o = out + c0 + c;
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o),
-                                              _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + c), zero)));
-          }
-        } else if (first) {
-          for (int64_t c = 0; c < nc; c += 8)
-            _mm256_store_ps(acc + c, _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + c), zero));
-        } else if (!last) {
-          for (int64_t c = 0; c < nc; c += 8)
-            _mm256_store_ps(acc + c,
-                            _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + c), _mm256_load_ps(acc + c)));
-        } else {
-          for (int64_t c = 0; c < nc; c += 8) {
-            float* o = out + c0 + c;
-            const __m256 a =
-                _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + c), _mm256_load_ps(acc + c));
             _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), a));
+          } else {
+            _mm256_store_ps(acc + c, a);
           }
         }
       }
@@ -495,8 +485,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFMatmulKNMany, KNManyImpl,
 // kKNSerialBytes); settable so measurements compare both in one process.
 extern "C" int64_t JaxserveFMatmulKNSerialBytes() { return g_kn_serial_bytes.load(); }
 
-// Whether W is read in memory order (1, the default) or by the register tiles alone (0);
-// the same bits either way. Returns the setting in force.
+// Whether W is read in the streaming orders (1, the default; see g_stream_order) or by the
+// register tiles alone (0); the same bits either way. Returns the setting in force.
 extern "C" int64_t JaxserveFMatmulSetStreamOrder(int64_t on) {
   g_stream_order.store(on != 0);
   return g_stream_order.load() ? 1 : 0;
