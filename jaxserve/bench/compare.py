@@ -397,11 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --llama_server: the quantizer (else looked up beside it)")
     p.add_argument("--f32_model", type=Path, default=None, help="an F32 GGUF; skip requantizing")
     p.add_argument("--jaxserve_cmd", default=None,
-                   help="how to start jaxserve (must exec the server itself so its PID is the "
-                        "server's; default: this venv's `jaxserve serve`). Another source "
-                        "tree: `env PYTHONPATH=<tree> <python> -P -m jaxserve.cli serve` (without "
-                        "-P, `-m` puts the current directory first on sys.path and imports "
-                        "the jaxserve found there) or --jaxserve_cwd=<tree>")
+                   help="how to start jaxserve, exec'ing the server (default: `jaxserve serve`); "
+                        "another tree: `env PYTHONPATH=<tree> python -P -m jaxserve.cli serve`")
     p.add_argument("--jaxserve_extra", action="append", default=[], metavar="--FLAG=V",
                    help="extra flag for jaxserve serve (repeatable)")
     p.add_argument("--jaxserve_cwd", type=Path, default=None)
