@@ -18,8 +18,8 @@ What it does (issue 11, item 1; the method of `../shared/bench/BASELINES.md`):
    llama.cpp with `--parallel N -kvu -c T -t 2` (one pool shared by all slots, like
    jaxserve's paged pool) and jaxserve with `--max_num_seqs N --num_kv_blocks T/block+1
    --warmup=full` (no program compiling during a case; a --warmup given overrides it).
-   T is jaxserve's default pool rounded up to llama.cpp's 256-token context
-   granularity, so both hold exactly T tokens. Each case gets fresh servers: no prefix
+   T is jaxserve's default pool (or --kv_tokens) rounded up to llama.cpp's 256-token
+   context granularity, so both hold exactly T tokens. Each case gets fresh servers: no prefix
    cache carries over between traces and the peak RSS (VmHWM) belongs to that one load.
    With --reuse_server each case still starts cold (jaxserve's and vLLM's POST
    /reset_prefix_cache, llama.cpp's slot erase) unless --warm_cases. Background load
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shlex
@@ -52,7 +51,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
-from jaxserve.bench.compare_configs import CONFIGS, PAIRS, configs_for, server_command
+from jaxserve.bench.compare_configs import (CONFIGS, LLAMA_CTX_PAD, PAIRS, KVPlan, configs_for,  # noqa: F401
+                                           gguf_kv_dims, jaxserve_pool_tokens, kv_bytes_per_token,
+                                           plan_kv, server_command)
 from jaxserve.bench.servers import (LLAMA_CPP_PYTHON_VERSION, ensure_f32_gguf, ensure_llama_build,
                                     exit_on_signal, free_port, live_servers, start_server,
                                     stop_server, tree_proc_status, uptime)
@@ -62,9 +63,6 @@ DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TRACES_DIR = REPO_ROOT.parent / "shared" / "bench"
 DEFAULT_CACHE = Path(os.environ.get("JAXSERVE_LLAMA_CPP_CACHE",
                                     Path.home() / ".cache" / "jaxserve" / "llama.cpp"))
-# llama.cpp rounds the context up to a multiple of 256 (src/llama-context.cpp:
-# `cparams.n_ctx = GGML_PAD(cparams.n_ctx, 256)`), so equal capacity is a multiple of it.
-LLAMA_CTX_PAD = 256
 JAXSERVE_KV_MIB = 512  # `jaxserve serve --kv_cache_memory_mb` default
 JAXSERVE_BLOCK = 16    # `jaxserve serve --block_size` default
 ENGINES = tuple(CONFIGS)  # every configuration (`compare_configs`)
@@ -122,63 +120,6 @@ def resolve_trace(name: str, traces_dir: Path) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"trace {name!r}: {path} does not exist")
     return path
-
-
-# ------------------------------------------------------------ KV capacity arithmetic
-@dataclass(frozen=True)
-class KVPlan:
-    """Equal KV capacity: `tokens` in both engines; jaxserve's block count includes the null block."""
-
-    tokens: int
-    jaxserve_num_kv_blocks: int
-    llama_ctx: int
-
-
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int = 4) -> int:
-    """K plus V bytes of one token over all layers: 2 * L * K * D * itemsize."""
-    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
-
-
-def jaxserve_pool_tokens(kv_cache_mib: int, block_size: int, bytes_per_token: int) -> int:
-    """Tokens jaxserve's pool holds under `--kv_cache_memory_mb`: whole blocks, minus the null block.
-
-    Mirrors `worker.kv_cache.resolve_num_kv_blocks` + `describe_capacity`
-    (without importing jax). Raises ValueError if the budget holds < 2 blocks.
-    """
-    blocks = kv_cache_mib * 2**20 // (block_size * bytes_per_token)
-    if blocks < 2:
-        raise ValueError(f"kv_cache_mib={kv_cache_mib} holds {blocks} blocks of {block_size} "
-                         f"tokens x {bytes_per_token} B; need >= 2")
-    return (blocks - 1) * block_size
-
-
-def plan_kv(tokens: int, block_size: int, pad: int = LLAMA_CTX_PAD) -> KVPlan:
-    """Round `tokens` up to llama.cpp's context granularity; jaxserve gets the same in blocks.
-
-    Raises:
-      ValueError: tokens < 1, or `pad` not a multiple of `block_size`.
-    """
-    if tokens < 1:
-        raise ValueError(f"kv tokens={tokens} must be >= 1")
-    if pad % block_size:
-        raise ValueError(f"llama.cpp's pad {pad} is not a multiple of block_size={block_size}")
-    t = math.ceil(tokens / pad) * pad
-    return KVPlan(tokens=t, jaxserve_num_kv_blocks=t // block_size + 1, llama_ctx=t)
-
-
-def gguf_kv_dims(path: Path) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) from a GGUF's metadata (memory-mapped, no weights read)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(path)).fields
-
-    def get(key: str) -> Any:
-        return fields[key].contents() if key in fields else None
-
-    arch = get("general.architecture")
-    heads = get(f"{arch}.attention.head_count")
-    head_dim = get(f"{arch}.attention.key_length") or get(f"{arch}.embedding_length") // heads
-    return int(get(f"{arch}.block_count")), int(get(f"{arch}.attention.head_count_kv")), int(head_dim)
 
 
 # ------------------------------------------------------------ server logs
@@ -321,7 +262,8 @@ MEASURES = (("throughput", "tok_s", "tok/s", "≥1"), ("mean TTFT", "ttft_mean_s
 
 def ratio_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (case, pair, measure) with both configurations' values and jaxserve's /
-    llama.cpp's, for each `compare_configs.PAIRS` pair with at least one of them measured.
+    llama.cpp's, for each `compare_configs.PAIRS` pair with at least one of them measured
+    (an opt-in configuration's pairs only where it ran).
 
     Cases keep the order they first appear in; a pair missing a configuration (a
     one-engine run) gets None for the missing value and the ratio.
@@ -332,8 +274,9 @@ def ratio_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for case, cfgs in by_case.items():
         for js_cfg, ll_cfg in PAIRS:
-            if js_cfg not in cfgs and ll_cfg not in cfgs:
-                continue
+            if (js_cfg not in cfgs and ll_cfg not in cfgs) or any(
+                    not CONFIGS[c].default and c not in cfgs for c in (js_cfg, ll_cfg)):
+                continue  # nothing measured, or an opt-in configuration that did not run
             for name, field, unit, goal in MEASURES:
                 ll = (cfgs.get(ll_cfg) or {}).get(field)
                 js = (cfgs.get(js_cfg) or {}).get(field)
@@ -375,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--case", action="append", default=None, metavar="N:TRACE:MODE",
                    help="a case instead of the profile's (repeatable), e.g. 16:ragged64:arrivals")
     p.add_argument("--engines", choices=("both", "llama.cpp", "jaxserve"), default="both",
-                   help="every configuration of these engines (compare_configs.CONFIGS)")
+                   help="these engines' default configurations (compare_configs.CONFIGS)")
     p.add_argument("--configs", default=None,
                    help=f"comma-separated configurations instead (of: {', '.join(CONFIGS)})")
     p.add_argument("--reuse_server", action="store_true",
@@ -404,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jaxserve_cwd", type=Path, default=None)
     p.add_argument("--kv_cache_mib", type=int, default=JAXSERVE_KV_MIB,
                    help="jaxserve's pool whose token count both engines get (rounded up to 256)")
+    p.add_argument("--kv_tokens", type=int, default=None,
+                   help="both engines' KV capacity in tokens instead (rounded up to 256); "
+                        "issue 26's memory row: 32768 (16 x 2048)")
     p.add_argument("--block_size", type=int, default=JAXSERVE_BLOCK)
     p.add_argument("--start_timeout_s", type=float, default=3600.0,
                    help="a cold start compiles every bucket program: minutes on a loaded machine")
@@ -422,6 +368,8 @@ def resolve_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[C
         a.num_prompts = SHORT_NUM_PROMPTS
     if a.num_prompts is not None and a.num_prompts < 1:
         raise ValueError(f"--num_prompts={a.num_prompts} must be >= 1")
+    if a.kv_tokens is not None and a.kv_tokens < 1:
+        raise ValueError(f"--kv_tokens={a.kv_tokens} must be >= 1")
     if a.llama_quantize is not None and a.llama_server is None:
         raise ValueError("--llama_quantize needs --llama_server")
     if a.llama_server is not None and a.llama_quantize is None:
@@ -463,11 +411,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     a.out_dir.mkdir(parents=True, exist_ok=True)
     layers, kv_heads, head_dim = gguf_kv_dims(a.model)
-    pool = jaxserve_pool_tokens(a.kv_cache_mib, a.block_size,
-                                kv_bytes_per_token(layers, kv_heads, head_dim))
+    pool = a.kv_tokens or jaxserve_pool_tokens(a.kv_cache_mib, a.block_size,
+                                               kv_bytes_per_token(layers, kv_heads, head_dim))
     plan = plan_kv(pool, a.block_size)
     a.kv_plan, a.kv_bytes_per_token = plan, kv_bytes_per_token(layers, kv_heads, head_dim)
-    print(f"KV: jaxserve's {a.kv_cache_mib} MiB pool holds {pool} tokens; both engines get "
+    print(f"KV: {f'--kv_tokens={pool}' if a.kv_tokens else f'jaxserve pool {a.kv_cache_mib} MiB'}"
+          f" = {pool} tokens; both engines get "
           f"{plan.tokens} (llama.cpp -c {plan.llama_ctx} -kvu, jaxserve --num_kv_blocks "
           f"{plan.jaxserve_num_kv_blocks}); out: {a.out_dir}", flush=True)
     for sig in (signal.SIGTERM, signal.SIGHUP):

@@ -54,6 +54,16 @@ def test_profiles_and_defaults(tmp_path):
     assert a.engines == ("llama.cpp gguf", "jaxserve gguf")
     with pytest.raises(ValueError, match=r"unknown configuration\(s\) \['llama'\]"):
         cmp.resolve_args(["--configs=llama"])
+    # the f16-KV configurations run only when named, and pair with llama.cpp's f16 KV
+    a, _ = cmp.resolve_args(["--configs=jaxserve gguf f16kv,llama.cpp gguf,jaxserve f16kv",
+                             "--kv_tokens=32768"])
+    assert a.engines == ("llama.cpp gguf", "jaxserve f16kv", "jaxserve gguf f16kv")
+    cmd = cmp.server_command("jaxserve gguf f16kv", a, 16, cmp.plan_kv(a.kv_tokens, 16), 9001)
+    assert "--kv_cache_dtype=float16" in cmd and "--quantization=auto" in cmd
+    assert "--num_kv_blocks=2049" in cmd  # 32768 / 16 + the null block
+    assert ("jaxserve gguf f16kv", "llama.cpp gguf") in cmp.PAIRS
+    with pytest.raises(ValueError, match="--kv_tokens=0 must be >= 1"):
+        cmp.resolve_args(["--kv_tokens=0"])
 
 
 def test_llama_binary_flags(tmp_path):
@@ -201,6 +211,21 @@ def test_ratio_rows_hand_computed():
     assert table[6] == ("| 16:seed8:burst | jaxserve vs llama.cpp f32kv | throughput (tok/s) | – | "
                         "25.00 | – | ≥1 – |")
 
+
+
+def test_ratio_rows_of_an_opt_in_configuration():
+    """An opt-in configuration (jaxserve gguf f16kv) gets its pair's rows only where it ran."""
+    base = [_rec("16:seed8:burst", "llama.cpp gguf", 80.0, 0.4, 500.0, 32768),
+            _rec("16:seed8:burst", "jaxserve gguf", 60.0, 0.5, 600.0, 32768)]
+    assert {r["pair"] for r in cmp.ratio_rows(base)} == {"jaxserve gguf vs llama.cpp gguf"}
+    rows = cmp.ratio_rows(base + [_rec("16:seed8:burst", "jaxserve gguf f16kv", 64.0, 0.3,
+                                       450.0, 32768)])
+    f16 = {r["measure"]: (r["ratio"], r["met"]) for r in rows
+           if r["pair"] == "jaxserve gguf f16kv vs llama.cpp gguf"}
+    # 64/80 = 0.8 (goal >= 1: no); 0.3/0.4 = 0.75 (yes); 450/500 = 0.9 (yes)
+    assert f16["throughput"] == (pytest.approx(0.8), False)
+    assert f16["mean TTFT"] == (pytest.approx(0.75), True)
+    assert f16["peak RSS"] == (pytest.approx(0.9), True)
 
 # ------------------------------------------------------------ commands and processes
 def test_schedule_fresh_per_case_or_one_server_per_n():
