@@ -250,6 +250,7 @@ def load_gguf_params(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, *,
 def read_gguf_header(path: str | Path, *, dtype: str | None = None
                      ) -> tuple[gguf.GGUFReader, ModelConfig, Tokenizer]:
     """Open a GGUF file and build its ModelConfig and Tokenizer (no tensor data read).
+    The returned reader no longer holds the `tokenizer.*` fields (the Tokenizer does).
 
     Raises:
       CheckpointError: unreadable file, unsupported architecture / tokenizer, or a
@@ -263,6 +264,11 @@ def read_gguf_header(path: str | Path, *, dtype: str | None = None
     if tok.vocab_size != cfg.vocab_size:
         raise CheckpointError(f"{p}: tokenizer has {tok.vocab_size} ids but the model "
                               f"vocab_size is {cfg.vocab_size}")
+    # GGUFReader keeps a NumPy view per value of every array field: for SmolLM2's 49k
+    # tokens and 48k merges that is ~70 MiB, which would stay resident beside the weights
+    # being read. The Tokenizer holds its own copy now; the loaders read scalars only.
+    for name in [n for n, f in reader.fields.items() if n.startswith("tokenizer.")]:
+        del reader.fields[name]
     return reader, cfg, tok
 
 

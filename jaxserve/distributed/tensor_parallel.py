@@ -46,6 +46,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from jaxserve.config import ModelConfig
 from jaxserve.attention.common import AttentionBackend
 from jaxserve.distributed.host_to_device import copy_leaves_to_device
+from jaxserve.model.params import empty_aligned
 
 DP_AXIS, TP_AXIS = "dp", "tp"
 
@@ -466,9 +467,7 @@ def private_host_copy(x: Any, align: int = ALIGN) -> Any:
     they are."""
     if not isinstance(x, np.ndarray):
         return x
-    buf = np.empty(x.nbytes + align, np.uint8)
-    off = (-buf.ctypes.data) % align
-    y = buf[off:off + x.nbytes].view(x.dtype).reshape(x.shape)
+    y = empty_aligned(x.shape, x.dtype, align)
     y[...] = x
     return y
 

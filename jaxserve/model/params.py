@@ -4,6 +4,10 @@ import it without importing each other."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from jaxserve.config import ModelConfig
 
 
@@ -27,3 +31,14 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...] | dict[str, tupl
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (E, V)
     return shapes
+
+
+def empty_aligned(shape: tuple[int, ...], dtype: Any, align: int = 64) -> np.ndarray:
+    """An uninitialised C-contiguous array at an `align`-byte address (NumPy's own
+    allocations are 16-byte aligned), which CPU `device_put` can take without a copy."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = np.empty(nbytes + align, np.uint8)
+    off = (-buf.ctypes.data) % align
+    return buf[off:off + nbytes].view(dtype).reshape(shape)
+
