@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model.params import empty_aligned
 from jaxserve.model.quant import QuantizedWeight
 
 # fused key -> the canonical keys it concatenates, in output order
@@ -29,7 +30,13 @@ FUSED_BIAS = ("bqkv", ("bq", "bk", "bv"))
 def _cat(parts: list[Any], axis: int) -> Any:
     if any(isinstance(p, jax.Array) for p in parts):
         return jnp.concatenate(parts, axis=axis)
-    return np.concatenate([np.asarray(p) for p in parts], axis=axis)
+    parts = [np.asarray(p) for p in parts]
+    shape = list(parts[0].shape)
+    shape[axis] = sum(p.shape[axis] for p in parts)
+    # 64-byte aligned, so that CPU `device_put` takes the fused leaf in place (a NumPy
+    # allocation is 16-byte aligned, and JAX would copy it once more)
+    return np.concatenate(parts, axis=axis, out=empty_aligned(tuple(shape),
+                                                              np.result_type(*parts)))
 
 
 def concat_outputs(parts: list[Any], *, key: str) -> Any:
