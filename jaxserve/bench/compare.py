@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
-from jaxserve.bench.compare_configs import (CONFIGS, LLAMA_CTX_PAD, PAIRS, KVPlan, configs_for,  # noqa: F401
-                                           gguf_kv_dims, jaxserve_pool_tokens, kv_bytes_per_token,
-                                           plan_kv, server_command)
+from jaxserve.bench.compare_configs import (  # noqa: F401 (KVPlan, LLAMA_CTX_PAD: re-exported)
+    CONFIGS, LLAMA_CTX_PAD, PAIRS, KVPlan, configs_for, gguf_kv_dims, jaxserve_pool_tokens,
+    kv_bytes_per_token, plan_kv, server_command)
 from jaxserve.bench.servers import (LLAMA_CPP_PYTHON_VERSION, ensure_f32_gguf, ensure_llama_build,
                                     exit_on_signal, free_port, live_servers, start_server,
                                     stop_server, tree_proc_status, uptime)
@@ -370,6 +370,9 @@ def resolve_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[C
         raise ValueError(f"--num_prompts={a.num_prompts} must be >= 1")
     if a.kv_tokens is not None and a.kv_tokens < 1:
         raise ValueError(f"--kv_tokens={a.kv_tokens} must be >= 1")
+    if a.kv_tokens is not None and a.kv_cache_mib != JAXSERVE_KV_MIB:
+        raise ValueError(f"--kv_tokens={a.kv_tokens} and --kv_cache_mib={a.kv_cache_mib} both "
+                         "set the KV capacity; give one")
     if a.llama_quantize is not None and a.llama_server is None:
         raise ValueError("--llama_quantize needs --llama_server")
     if a.llama_server is not None and a.llama_quantize is None:
@@ -383,6 +386,12 @@ def resolve_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[C
     a.out_dir = a.out_dir or a.cache_dir.parent / "compare" / stamp
     a.output_json = a.output_json or a.out_dir / "compare.json"
     return a, cases
+
+
+def capacity_tokens(a: argparse.Namespace) -> int:
+    """KV tokens both engines get before llama.cpp's rounding: --kv_tokens, else what
+    jaxserve's --kv_cache_mib pool holds at `a.kv_bytes_per_token` (f32 K and V)."""
+    return a.kv_tokens or jaxserve_pool_tokens(a.kv_cache_mib, a.block_size, a.kv_bytes_per_token)
 
 
 def prepare_llama(a: argparse.Namespace) -> None:
@@ -410,11 +419,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     a.out_dir.mkdir(parents=True, exist_ok=True)
-    layers, kv_heads, head_dim = gguf_kv_dims(a.model)
-    pool = a.kv_tokens or jaxserve_pool_tokens(a.kv_cache_mib, a.block_size,
-                                               kv_bytes_per_token(layers, kv_heads, head_dim))
-    plan = plan_kv(pool, a.block_size)
-    a.kv_plan, a.kv_bytes_per_token = plan, kv_bytes_per_token(layers, kv_heads, head_dim)
+    a.kv_bytes_per_token = kv_bytes_per_token(*gguf_kv_dims(a.model))
+    pool = capacity_tokens(a)
+    a.kv_plan = plan = plan_kv(pool, a.block_size)
     print(f"KV: {f'--kv_tokens={pool}' if a.kv_tokens else f'jaxserve pool {a.kv_cache_mib} MiB'}"
           f" = {pool} tokens; both engines get "
           f"{plan.tokens} (llama.cpp -c {plan.llama_ctx} -kvu, jaxserve --num_kv_blocks "

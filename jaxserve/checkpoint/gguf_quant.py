@@ -84,7 +84,9 @@ def _fill_layers(get: Callable[[int], Any], n: int, path: Path, leaf: str) -> An
     first = get(0)
     quantized = isinstance(first, QuantizedWeight)
     parts = (lambda w: (w.q, w.scale, w.min)) if quantized else (lambda a: (a,))
-    fmt = (lambda w: (w.kind, w.block, w.shape)) if quantized else (lambda a: (a.dtype, a.shape))
+    def fmt(w: Any) -> tuple:  # what every layer must share: kind, block, shape, dtypes
+        head = (w.kind, w.block) if quantized else ()
+        return (*head, tuple(w.shape), *(None if a is None else str(a.dtype) for a in parts(w)))
     out = [None if a is None else empty_aligned((n, *a.shape), a.dtype) for a in parts(first)]
     for i in range(n):
         w = first if i == 0 else get(i)
@@ -103,15 +105,16 @@ def _fill_layers(get: Callable[[int], Any], n: int, path: Path, leaf: str) -> An
 
 def drop_file_pages(reader: gguf.GGUFReader) -> None:
     """Drop the GGUF memory map's pages from this process's resident set (madvise
-    MADV_DONTNEED; the map is read-only, so a later read faults them back in from the page
-    cache). Called after each leaf is copied out: the file's bytes then never sit in RSS
-    beside the whole converted tree (~97 MB for SmolLM2's Q4_1 file). A no-op where the
-    reader's data is not a memory map."""
+    MADV_DONTNEED on a read-only shared map: a later read faults them back in from the
+    page cache). Called after each leaf is copied out: the file's bytes then never sit in
+    RSS beside the whole converted tree (~97 MB for SmolLM2's Q4_1 file). A no-op where
+    the reader's data is not a read-only memory map (`open_gguf`'s is): on a copy-on-write
+    map it would throw away the writes."""
     base = reader.data
     while base is not None and not isinstance(base, np.memmap):
         base = getattr(base, "base", None)
     mm = getattr(base, "_mmap", None)
-    if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+    if isinstance(mm, mmap.mmap) and base.mode == "r" and hasattr(mmap, "MADV_DONTNEED"):
         mm.madvise(mmap.MADV_DONTNEED)
 
 

@@ -41,4 +41,3 @@ def empty_aligned(shape: tuple[int, ...], dtype: Any, align: int = 64) -> np.nda
     buf = np.empty(nbytes + align, np.uint8)
     off = (-buf.ctypes.data) % align
     return buf[off:off + nbytes].view(dtype).reshape(shape)
-

@@ -64,6 +64,14 @@ def test_profiles_and_defaults(tmp_path):
     assert ("jaxserve gguf f16kv", "llama.cpp gguf") in cmp.PAIRS
     with pytest.raises(ValueError, match="--kv_tokens=0 must be >= 1"):
         cmp.resolve_args(["--kv_tokens=0"])
+    with pytest.raises(ValueError, match="--kv_tokens=4096 and --kv_cache_mib=256 both"):
+        cmp.resolve_args(["--kv_tokens=4096", "--kv_cache_mib=256"])
+    # the capacity both engines get: --kv_tokens, else jaxserve's default pool (11632 tokens)
+    a.kv_bytes_per_token = cmp.kv_bytes_per_token(30, 3, 64)
+    assert cmp.capacity_tokens(a) == 32768
+    a, _ = cmp.resolve_args([])
+    a.kv_bytes_per_token = cmp.kv_bytes_per_token(30, 3, 64)
+    assert cmp.capacity_tokens(a) == 11632
 
 
 def test_llama_binary_flags(tmp_path):
@@ -212,7 +220,6 @@ def test_ratio_rows_hand_computed():
                         "25.00 | – | ≥1 – |")
 
 
-
 def test_ratio_rows_of_an_opt_in_configuration():
     """An opt-in configuration (jaxserve gguf f16kv) gets its pair's rows only where it ran."""
     base = [_rec("16:seed8:burst", "llama.cpp gguf", 80.0, 0.4, 500.0, 32768),
@@ -226,6 +233,7 @@ def test_ratio_rows_of_an_opt_in_configuration():
     assert f16["throughput"] == (pytest.approx(0.8), False)
     assert f16["mean TTFT"] == (pytest.approx(0.75), True)
     assert f16["peak RSS"] == (pytest.approx(0.9), True)
+
 
 # ------------------------------------------------------------ commands and processes
 def test_schedule_fresh_per_case_or_one_server_per_n():

@@ -33,6 +33,7 @@ def test_stacked_blocks_equal_gguf_py_dequantization(gguf_rewriter):
         qw = blocks["layers"][leaf]
         assert isinstance(qw, quant.QuantizedWeight)
         assert qw.kind == ("q8" if g.startswith("attn") else "q4") and qw.q.shape[0] == 2
+        assert all(a.ctypes.data % 64 == 0 for a in (qw.q, qw.scale, qw.min) if a is not None)
         got = np.swapaxes(np.asarray(quant.dequantize(qw)), -1, -2)  # [L, N, K] -> [L, in, out]
         np.testing.assert_array_equal(got, floats["layers"][leaf], err_msg=leaf)
     for leaf in ("attn_norm", "mlp_norm"):
@@ -41,13 +42,31 @@ def test_stacked_blocks_equal_gguf_py_dequantization(gguf_rewriter):
 
 @pytest.mark.parametrize("retype, needle", [
     ({"blk.0.attn_q.weight": Q.Q8_0, "blk.1.attn_q.weight": Q.Q4_1},
-     r"'wq': layer 1 is \('q4', 32, \(96, 64\)\), layer 0 is \('q8', 32, \(96, 64\)\)"),
+     r"'wq': layer 1 is \('q4', 32, \(96, 64\), 'uint8', 'float16', 'float16'\), layer 0 is "
+     r"\('q8', 32, \(96, 64\), 'int8', 'float16', None\)"),
     ({"blk.1.ffn_up.weight": Q.Q8_0}, r"layers of 'w_up' mix float and quantized tensors"),
+    # a float leaf's layers must agree too (a [32] norm would broadcast into a [64] slot)
+    ({"blk.0.ffn_up.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.Q8_0},
+     r"'attn_norm': layer 1 is \(\(32,\), 'float32'\), layer 0 is \(\(64,\), 'float32'\)"),
 ])
 def test_layers_of_one_leaf_in_different_formats_are_refused(gguf_rewriter, retype, needle):
-    path = gguf_rewriter("mixed.gguf", retype=retype)
+    raw = {"blk.1.attn_norm.weight": (np.ones(32, np.float32), Q.F32)} if "norm" in needle else None
+    path = gguf_rewriter("mixed.gguf", retype=retype, raw=raw)
     with pytest.raises(CheckpointError, match=needle):
         load_model(path, quantization="auto", cache_dir=None, progress=False)
+
+
+def _mapped_rss_kib(path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                inside = len(head) > 5 and head[5] == str(path)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
 
 
 def test_reader_keeps_no_tokenizer_fields_and_drops_file_pages(gguf_rewriter):
@@ -58,7 +77,22 @@ def test_reader_keeps_no_tokenizer_fields_and_drops_file_pages(gguf_rewriter):
     assert not [n for n in reader.fields if n.startswith("tokenizer.")]
     before = np.array(reader.tensors[1].data)  # a copy of one tensor's bytes
     tree = load_gguf_blocks(reader, cfg, path)  # drops the map's pages after each leaf
+    assert _mapped_rss_kib(path) == 0
     q = tree["layers"]["w_down"].q
     assert q.shape == (2, 64, 80) and not np.shares_memory(q, reader.data)  # copied out
+    int(np.asarray(reader.data).sum())  # every page of the file read back in
+    assert _mapped_rss_kib(path) >= path.stat().st_size // 1024 - 4
     drop_file_pages(reader)
+    assert _mapped_rss_kib(path) == 0
     np.testing.assert_array_equal(reader.tensors[1].data, before)  # read back from the file
+
+
+def test_a_copy_on_write_map_keeps_its_pages(gguf_rewriter):
+    """On a writable (copy-on-write) map, dropping pages would throw writes away: no-op."""
+    from jaxserve.checkpoint.gguf_loader import _Reader
+
+    reader = _Reader(gguf_rewriter("c.gguf"), "c")
+    t = reader.tensors[1]
+    t.data[...] = 7
+    drop_file_pages(reader)
+    assert np.all(np.asarray(reader.tensors[1].data) == 7)

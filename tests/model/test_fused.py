@@ -52,6 +52,13 @@ def test_float_parts_concatenate_on_the_output_axis():
                                   np.concatenate([a, b], axis=1))
     j = fused.concat_outputs([jax.numpy.asarray(a), b], key="w_gate_up")
     assert isinstance(j, jax.Array) and j.shape == (8, 8)
+    # NumPy in: a 64-byte-aligned new buffer (CPU device_put takes it in place), the
+    # parts' promoted dtype as np.concatenate gives it (f32 + f64 -> f64)
+    for parts in ([a.astype(np.float32), b.astype(np.float32)], [a.astype(np.float32), b]):
+        out = fused.concat_outputs(parts, key="w_gate_up")
+        want = np.concatenate(parts, axis=1)
+        assert out.ctypes.data % 64 == 0 and out.dtype == want.dtype
+        np.testing.assert_array_equal(out, want)
 
 
 def test_mixed_formats_are_refused_and_not_fusable():
