@@ -320,7 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", choices=("both", "llama.cpp", "jaxserve"), default="both",
                    help="these engines' default configurations (compare_configs.CONFIGS)")
     p.add_argument("--configs", default=None,
-                   help=f"comma-separated configurations instead (of: {', '.join(CONFIGS)})")
+                   help=f"comma-separated configurations instead (of: {', '.join(CONFIGS)}; "
+                        "'gguf': the original file, else its F32 requantization; 'f16kv' "
+                        "(opt-in): --kv_cache_dtype=float16; 'f32kv': llama.cpp -ctk/-ctv f32)")
     p.add_argument("--reuse_server", action="store_true",
                    help="one server per (N, engine) for all its cases, saving start-ups; later "
                         "cases still start cold (prefix cache emptied) unless --warm_cases; peak "
@@ -348,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv_cache_mib", type=int, default=JAXSERVE_KV_MIB,
                    help="jaxserve's pool whose token count both engines get (rounded up to 256)")
     p.add_argument("--kv_tokens", type=int, default=None,
-                   help="both engines' KV capacity in tokens instead (rounded up to 256); "
-                        "issue 26's memory row: 32768 (16 x 2048)")
+                   help="both engines' KV capacity in tokens instead of --kv_cache_mib's "
+                        "(rounded up to 256), e.g. 32768 = 16 slots x 2048")
     p.add_argument("--block_size", type=int, default=JAXSERVE_BLOCK)
     p.add_argument("--start_timeout_s", type=float, default=3600.0,
                    help="a cold start compiles every bucket program: minutes on a loaded machine")
