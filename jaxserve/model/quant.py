@@ -90,20 +90,6 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
-def stack(ws: list[QuantizedWeight]) -> QuantizedWeight:
-    """L same-format [N, K] weights -> one stacked [L, N, K] weight.
-
-    Raises:
-      ValueError: the layers differ in kind or block.
-    """
-    fmt = {(w.kind, w.block) for w in ws}
-    if len(fmt) != 1:
-        raise ValueError(f"cannot stack quantized layers of different formats {sorted(fmt)}")
-    mins = None if ws[0].min is None else np.stack([w.min for w in ws])
-    return QuantizedWeight(np.stack([w.q for w in ws]), np.stack([w.scale for w in ws]), mins,
-                           ws[0].kind, ws[0].block)
-
-
 def _blocks(w: np.ndarray, block: int) -> np.ndarray:
     n, k = w.shape[-2:]
     if k % block:
