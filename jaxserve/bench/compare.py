@@ -347,8 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jaxserve_extra", action="append", default=[], metavar="--FLAG=V",
                    help="extra flag for jaxserve serve (repeatable)")
     p.add_argument("--jaxserve_cwd", type=Path, default=None)
-    p.add_argument("--kv_cache_mib", type=int, default=JAXSERVE_KV_MIB,
-                   help="jaxserve's pool whose token count both engines get (rounded up to 256)")
+    p.add_argument("--kv_cache_mib", type=int, default=None,
+                   help="jaxserve's pool whose token count both engines get (rounded up to 256; "
+                        f"default {JAXSERVE_KV_MIB})")
     p.add_argument("--kv_tokens", type=int, default=None,
                    help="both engines' KV capacity in tokens instead of --kv_cache_mib's "
                         "(rounded up to 256), e.g. 32768 = 16 slots x 2048")
@@ -372,9 +373,10 @@ def resolve_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[C
         raise ValueError(f"--num_prompts={a.num_prompts} must be >= 1")
     if a.kv_tokens is not None and a.kv_tokens < 1:
         raise ValueError(f"--kv_tokens={a.kv_tokens} must be >= 1")
-    if a.kv_tokens is not None and a.kv_cache_mib != JAXSERVE_KV_MIB:
+    if a.kv_tokens is not None and a.kv_cache_mib is not None:
         raise ValueError(f"--kv_tokens={a.kv_tokens} and --kv_cache_mib={a.kv_cache_mib} both "
                          "set the KV capacity; give one")
+    a.kv_cache_mib = JAXSERVE_KV_MIB if a.kv_cache_mib is None else a.kv_cache_mib
     if a.llama_quantize is not None and a.llama_server is None:
         raise ValueError("--llama_quantize needs --llama_server")
     if a.llama_server is not None and a.llama_quantize is None:

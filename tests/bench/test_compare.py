@@ -66,6 +66,8 @@ def test_profiles_and_defaults(tmp_path):
         cmp.resolve_args(["--kv_tokens=0"])
     with pytest.raises(ValueError, match="--kv_tokens=4096 and --kv_cache_mib=256 both"):
         cmp.resolve_args(["--kv_tokens=4096", "--kv_cache_mib=256"])
+    with pytest.raises(ValueError, match="--kv_tokens=4096 and --kv_cache_mib=512 both"):
+        cmp.resolve_args(["--kv_tokens=4096", "--kv_cache_mib=512"])  # the default, named
     # the capacity both engines get: --kv_tokens, else jaxserve's default pool (11632 tokens)
     a.kv_bytes_per_token = cmp.kv_bytes_per_token(30, 3, 64)
     assert cmp.capacity_tokens(a) == 32768
